@@ -1,0 +1,134 @@
+"""One configuration dataclass for the store, validated once; environment variables and CLI
+flags map onto its fields one to one (``gpu_bytes`` <-> ``KVTIER_GPU_BYTES`` <-> ``--gpu-bytes``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Literal, Mapping, get_args
+
+from kvtier.hashing import HASH_NAMES
+
+WritePolicy = Literal["write_back", "write_through"]
+ENV_PREFIX = "KVTIER_"
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "kib": 2**10,
+    "m": 10**6, "mb": 10**6, "mib": 2**20,
+    "g": 10**9, "gb": 10**9, "gib": 2**30,
+    "t": 10**12, "tb": 10**12, "tib": 2**40,
+}
+
+
+def parse_bytes(value: str | int) -> int:
+    """``"512MiB"`` -> 536870912; ints pass through. Raises ``ValueError`` on anything else."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"expected a byte size >= 0, got {value}")
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"expected a byte size like 4096, 512MiB or 2GB, got {value!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def default_data_dir() -> Path:
+    """Per-user cache directory: ``$XDG_CACHE_HOME/kvtier`` or ``~/.cache/kvtier``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvtier"
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Capacities in bytes and the store's policies. A capacity of 0 disables that tier."""
+
+    gpu_bytes: int = 1 << 30
+    """GPU paged pool size, bytes. On a machine without CUDA the pool sits in host memory."""
+    cpu_bytes: int = 4 << 30
+    """CPU slab size, bytes (pinned when CUDA is available)."""
+    disk_bytes: int = 16 << 30
+    """LMDB size cap, bytes (headers and page rounding included)."""
+    block_size: int = 16
+    """Tokens per block."""
+    hash_name: Literal["sha256", "xxh3_128"] = "sha256"
+    """Block hash function (see kvtier.hashing)."""
+    write_policy: WritePolicy = "write_back"
+    """``write_back``: a block goes down a tier only when evicted (spill). ``write_through``:
+    every stored block is also written to every lower tier at once."""
+    data_dir: Path = field(default_factory=default_data_dir)
+    """Directory of the DISK tier's LMDB environment."""
+    flush_on_close: bool = True
+    """On close, write every block that is only in GPU/CPU memory down to DISK, so that the
+    next process finds it (persistence across restarts)."""
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_bytes", "cpu_bytes", "disk_bytes"):
+            object.__setattr__(self, name, parse_bytes(getattr(self, name)))
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"expected block_size > 0, got {self.block_size!r}")
+        if self.hash_name not in HASH_NAMES:
+            raise ValueError(f"expected hash_name in {HASH_NAMES}, got {self.hash_name!r}")
+        if self.write_policy not in get_args(WritePolicy):
+            raise ValueError(f"expected write_policy in {get_args(WritePolicy)}, got {self.write_policy!r}")
+        object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
+        if self.gpu_bytes == 0 and self.cpu_bytes == 0 and self.disk_bytes == 0:
+            raise ValueError("expected at least one tier with capacity > 0, got all zero")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "StoreConfig":
+        """Defaults, then ``KVTIER_<FIELD>`` environment variables, then ``overrides``
+        (``None`` values in overrides are ignored, so unset CLI flags fall through)."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = environ.get(ENV_PREFIX + f.name.upper())
+            if raw is not None:
+                values[f.name] = _coerce(f.name, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def with_(self, **changes: Any) -> "StoreConfig":
+        return replace(self, **changes)
+
+
+def _coerce(name: str, raw: str) -> Any:
+    if name.endswith("_bytes"):
+        return parse_bytes(raw)
+    if name == "block_size":
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"expected an int for {ENV_PREFIX}BLOCK_SIZE, got {raw!r}") from None
+    if name == "flush_on_close":
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    return raw
+
+
+def config_options(func):
+    """Click decorator: one ``--gpu-bytes``-style option per ``StoreConfig`` field; the
+    command receives them as keyword arguments (``None`` when not given)."""
+    import click
+
+    for f in reversed(fields(StoreConfig)):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"StoreConfig.{f.name} (env {ENV_PREFIX}{f.name.upper()})"
+        if f.name == "flush_on_close":
+            func = click.option(flag + "/--no-" + flag[2:], default=None, help=help_text)(func)
+        elif f.name in ("hash_name", "write_policy"):
+            choices = HASH_NAMES if f.name == "hash_name" else get_args(WritePolicy)
+            func = click.option(flag, type=click.Choice(choices), default=None, help=help_text)(func)
+        elif f.name == "block_size":
+            func = click.option(flag, type=int, default=None, help=help_text)(func)
+        else:
+            func = click.option(flag, default=None, help=help_text)(func)
+    return func
+
+
+def config_from_cli(options: Mapping[str, Any]) -> StoreConfig:
+    """Build the config from click keyword arguments produced by :func:`config_options`."""
+    names = {f.name for f in fields(StoreConfig)}
+    return StoreConfig.from_env(**{k: v for k, v in options.items() if k in names})

@@ -1,0 +1,1 @@
+"""Connectors: the hooks an inference engine calls before prefill and after a request."""

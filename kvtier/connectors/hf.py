@@ -1,0 +1,257 @@
+"""Hugging Face transformers connector: the two hooks an inference loop calls.
+
+    connector = HFConnector.from_model(model)                  # one per model
+    plan = connector.before_prefill(input_ids)                 # lookup + load the hit prefix
+    out = model.generate(input_ids, **plan.generate_kwargs(), max_new_tokens=32)
+    connector.after_request(out[0], plan.cache)                # store new full blocks
+
+``before_prefill`` hashes the prompt's full blocks, loads the longest cached prefix into the
+store's top pool and gathers it into a fresh ``DynamicCache`` (one ``[1, num_kv_heads,
+num_cached_tokens, head_dim]`` K and V tensor per layer), so ``generate`` prefills only the
+suffix. A full hit still leaves work: at most ``(prompt_len - 1) // block_size`` blocks are
+loaded, so prefill always has at least one token to produce logits from (case B1).
+
+``after_request`` stores every full block of ``prompt + output`` whose K/V the cache holds
+(the last generated token has none: it was sampled, never fed back).
+
+Batch size 1 (one request per call); Llama-architecture models whose cache layers are
+plain ``DynamicLayer`` s (full attention). Works with transformers 4.56+ and 5.x.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from kvtier.config import StoreConfig
+from kvtier.hashing import KeyContext, block_hashes_for
+from kvtier.kernels import gather_blocks_to_layers, scatter_contiguous_to_blocks
+from kvtier.store import TieredStore
+from kvtier.types import KV_LAYOUT, BlockHash, KVSpec, Medium, dtype_name
+
+logger = logging.getLogger(__name__)
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """Name of the cache argument of ``model.forward``/``generate``: ``cache`` in
+    transformers >= 5.2x, ``past_key_values`` before."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def kv_spec_for(model: torch.nn.Module, block_size: int) -> KVSpec:
+    """Block spec of a decoder-only transformers model (Llama family config fields)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    num_heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
+    return KVSpec(cfg.num_hidden_layers, num_kv_heads, head_dim, block_size, model.dtype)
+
+
+def weights_fingerprint(model: torch.nn.Module, samples_per_tensor: int = 64) -> str:
+    """Cheap digest of the weights (names, shapes, dtypes and a strided sample of every
+    tensor's values): two checkpoints of one architecture get different namespaces without
+    hashing gigabytes. Pass ``model_revision`` explicitly to key on a published revision."""
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            flat = tensor.detach().reshape(-1)
+            step = max(1, flat.numel() // samples_per_tensor)
+            sample = flat[::step][:samples_per_tensor].to("cpu", torch.float32).contiguous()
+            digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
+            digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+@dataclass
+class PrefillPlan:
+    """What ``before_prefill`` found and loaded.
+
+    Attributes:
+        num_cached_tokens: prompt tokens whose K/V are in ``cache`` (a multiple of block_size).
+        cache: a ``DynamicCache`` holding them, ``[1, num_kv_heads, num_cached_tokens,
+            head_dim]`` per layer; pass it to ``generate``/``forward``.
+        block_hashes: hashes of the prompt's full blocks.
+        sources: the medium each loaded block came from, ``[num_cached_tokens // block_size]``.
+        cache_kwarg: ``"cache"`` or ``"past_key_values"`` (see :func:`cache_kwarg`).
+    """
+
+    num_cached_tokens: int
+    cache: Any
+    block_hashes: list[BlockHash]
+    sources: list[Medium] = field(default_factory=list)
+    cache_kwarg: str = "past_key_values"
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        return {self.cache_kwarg: self.cache}
+
+    def cached_tokens_by_medium(self, block_size: int) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for medium in self.sources:
+            counts[str(medium)] = counts.get(str(medium), 0) + block_size
+        return counts
+
+
+class HFConnector:
+    """Connects one transformers model to a :class:`TieredStore`.
+
+    Args:
+        model: a decoder-only transformers model (Llama architecture and alike).
+        store: the store; its spec must match the model's K/V shape and dtype.
+        key_context: the namespace's fields; its block_size must equal the store's.
+
+    Raises:
+        ValueError: spec or block_size mismatch.
+    """
+
+    def __init__(self, model: torch.nn.Module, store: TieredStore, key_context: KeyContext) -> None:
+        spec = kv_spec_for(model, store.spec.block_size)
+        if spec != store.spec:
+            raise ValueError(f"expected a store for {spec}, got {store.spec}")
+        if key_context.block_size != spec.block_size or key_context.namespace() != store.namespace:
+            raise ValueError("expected the store's namespace to be key_context.namespace()")
+        self.model, self.store, self.key_context = model, store, key_context
+        self.namespace = store.namespace
+        self.block_size = spec.block_size
+        self._cache_kwarg = cache_kwarg(model)
+
+    @classmethod
+    def from_model(
+        cls,
+        model: torch.nn.Module,
+        config: StoreConfig | None = None,
+        *,
+        model_id: str | None = None,
+        model_revision: str | None = None,
+        lora_name: str | None = None,
+        lora_version: str | None = None,
+        cache_salt: str | None = None,
+    ) -> "HFConnector":
+        """Build the key context and a store (GPU pool on the model's device) for ``model``.
+
+        ``config`` defaults to ``StoreConfig.from_env()``; ``model_revision`` defaults to
+        :func:`weights_fingerprint`.
+        """
+        config = config or StoreConfig.from_env()
+        spec = kv_spec_for(model, config.block_size)
+        key_context = KeyContext(
+            model_id=model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__,
+            model_revision=model_revision or weights_fingerprint(model),
+            dtype=dtype_name(spec.dtype),
+            kv_layout=KV_LAYOUT,
+            block_size=config.block_size,
+            lora_name=lora_name,
+            lora_version=lora_version,
+            cache_salt=cache_salt,
+            hash_name=config.hash_name,
+        )
+        store = TieredStore(spec, config, key_context.namespace(), device=model.device)
+        return cls(model, store, key_context)
+
+    # -- hooks -------------------------------------------------------------------------------
+    def block_hashes(self, token_ids: Sequence[int] | torch.Tensor) -> list[BlockHash]:
+        """Chained hashes of the full blocks of ``token_ids`` (``[num_tokens]`` ints)."""
+        tokens = _token_list(token_ids)
+        return block_hashes_for(tokens, self.namespace, self.block_size, self.key_context.hash_name)
+
+    def before_prefill(self, input_ids: torch.Tensor | Sequence[int]) -> PrefillPlan:
+        """Look up the prompt, load the hit prefix into a new ``DynamicCache``.
+
+        Args:
+            input_ids: ``[1, prompt_len]`` or ``[prompt_len]`` token ids (int64).
+
+        Returns:
+            a :class:`PrefillPlan`; ``plan.num_cached_tokens`` <= ``prompt_len - 1``.
+
+        Raises:
+            ValueError: batch size other than 1, an empty prompt.
+        """
+        tokens = _token_list(input_ids)
+        if not tokens:
+            raise ValueError("expected a non-empty prompt, got 0 tokens")
+        block_hashes = self.block_hashes(tokens)
+        max_blocks = (len(tokens) - 1) // self.block_size  # leave >= 1 token to prefill
+        loaded = self.store.load(block_hashes[:max_blocks])
+        cache = self._new_cache()
+        with loaded.lease:
+            if loaded.block_ids:
+                block_ids = torch.tensor(loaded.block_ids, dtype=torch.int64, device=self.store.top.tensor.device)
+                keys, values = gather_blocks_to_layers(self.store.top.tensor, block_ids)
+                device = self.model.device
+                for layer, (k, v) in enumerate(zip(keys, values)):
+                    cache.update(k.to(device, non_blocking=True), v.to(device, non_blocking=True), layer)
+        return PrefillPlan(
+            len(loaded.block_ids) * self.block_size, cache, block_hashes, loaded.sources, self._cache_kwarg
+        )
+
+    def after_request(self, token_ids: torch.Tensor | Sequence[int], cache: Any) -> int:
+        """Store the new full blocks of ``token_ids`` (prompt + output, ``[num_tokens]`` or
+        ``[1, num_tokens]``) whose K/V ``cache`` holds. Returns the blocks now stored for the
+        request (already present ones included). Never raises into the inference loop for
+        store pressure: a full store stores fewer blocks."""
+        tokens = _token_list(token_ids)
+        keys, values = _cache_layers(cache)
+        num_tokens = min(len(tokens), keys[0].shape[-2]) if keys else 0
+        block_hashes = self.block_hashes(tokens[:num_tokens])
+        if not block_hashes:
+            return 0
+        handle = self.store.prepare_store(block_hashes)
+        ok = False
+        try:
+            runs = _consecutive_runs(handle.indices, handle.block_ids)
+            for first_index, block_ids in runs:
+                ids = torch.tensor(block_ids, dtype=torch.int64, device=self.store.top.tensor.device)
+                scatter_contiguous_to_blocks(
+                    keys, values, self.store.top.tensor, ids, start_token=first_index * self.block_size
+                )
+            ok = True
+        finally:
+            self.store.complete_store(handle, success=ok)
+        return handle.num_blocks
+
+    def close(self) -> None:
+        self.store.close()
+
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:  # transformers < 4.56 took no config
+            return DynamicCache()
+
+
+def _token_list(token_ids: torch.Tensor | Sequence[int]) -> list[int]:
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() == 2:
+            if token_ids.shape[0] != 1:
+                raise ValueError(f"expected batch size 1, got input_ids of shape {tuple(token_ids.shape)}")
+            token_ids = token_ids[0]
+        elif token_ids.dim() != 1:
+            raise ValueError(f"expected [1, n] or [n] token ids, got shape {tuple(token_ids.shape)}")
+        return token_ids.tolist()
+    return [int(t) for t in token_ids]
+
+
+def _cache_layers(cache: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer ``[1, num_kv_heads, seq_len, head_dim]`` K and V of a transformers cache."""
+    if hasattr(cache, "layers"):  # transformers >= 4.56
+        layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
+        return [layer.keys for layer in layers], [layer.values for layer in layers]
+    return list(cache.key_cache), list(cache.value_cache)
+
+
+def _consecutive_runs(indices: Sequence[int], block_ids: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """Group new blocks into runs of consecutive request positions: ``(first_index, ids)``."""
+    runs: list[tuple[int, list[int]]] = []
+    for index, block_id in zip(indices, block_ids):
+        if runs and runs[-1][0] + len(runs[-1][1]) == index:
+            runs[-1][1].append(block_id)
+        else:
+            runs.append((index, [block_id]))
+    return runs

@@ -1,0 +1,157 @@
+"""Block keys: a namespace from a typed key context, and block hashes chained over a prompt.
+
+``block_hash[i] = H(DOMAIN, block_hash[i-1], token_ids of block i, extra_keys of block i)``
+with ``block_hash[-1] = namespace``. Only full blocks are keyed: a partial tail block is always
+recomputed. The byte encoding is canonical (fixed-width little-endian token ids, msgpack for
+the key context with every field tagged by name), never ``pickle`` or Python's ``hash()``, so
+keys are the same in every process and after restarts (vLLM CVE-2025-25183, LMCache issue 1739:
+seeded or pickled hashes either change across processes or can be made to collide).
+
+H is SHA-256 (32-byte hashes) by default; ``xxh3_128`` (16 bytes, from the ``xxhash``
+package) is an option for when hashing shows in profiles and collision resistance against a
+hostile tenant is not needed (isolate such tenants with ``cache_salt``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass, fields
+from typing import Literal, Sequence
+
+import msgpack
+import numpy as np
+
+from kvtier.types import KV_LAYOUT, BlockHash
+
+HashName = Literal["sha256", "xxh3_128"]
+HASH_NAMES: tuple[str, ...] = ("sha256", "xxh3_128")
+
+_NAMESPACE_DOMAIN = b"kvtier/namespace/v1"
+_BLOCK_DOMAIN = b"kvtier/block/v1"
+
+
+def _digest(hash_name: str, data: bytes) -> bytes:
+    if hash_name == "sha256":
+        return hashlib.sha256(data).digest()
+    if hash_name == "xxh3_128":
+        import xxhash
+
+        return xxhash.xxh3_128_digest(data)
+    raise ValueError(f"expected hash in {HASH_NAMES}, got {hash_name!r}")
+
+
+@dataclass(frozen=True)
+class KeyContext:
+    """Everything that changes the bytes of K/V, and nothing else (case K3: pool sizes,
+    thread counts and other tuning knobs must not be in a key, or a restart misses).
+
+    Attributes:
+        model_id: model name or path as the user gave it, e.g. ``HuggingFaceTB/SmolLM2-135M``.
+        model_revision: weights digest or revision; two checkpoints of one model differ here.
+        dtype: canonical K/V dtype name (``kvtier.types.dtype_name``).
+        kv_layout: block layout name (``kvtier.types.KV_LAYOUT``).
+        block_size: tokens per block.
+        tp_rank, tp_size: tensor-parallel rank and world size (each rank keeps its heads).
+        lora_name, lora_version: LoRA adapter applied, if any.
+        cache_salt: tenant isolation salt (vLLM's ``cache_salt``): tenants never share blocks.
+        hash_name: block hash function; part of the namespace so two choices never mix.
+    """
+
+    model_id: str
+    model_revision: str = ""
+    dtype: str = "float32"
+    kv_layout: str = KV_LAYOUT
+    block_size: int = 16
+    tp_rank: int = 0
+    tp_size: int = 1
+    lora_name: str | None = None
+    lora_version: str | None = None
+    cache_salt: str | None = None
+    hash_name: HashName = "sha256"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_id, str) or not self.model_id:
+            raise ValueError(f"expected a non-empty model_id string, got {self.model_id!r}")
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"expected block_size > 0, got {self.block_size!r}")
+        if not (0 <= self.tp_rank < self.tp_size):
+            raise ValueError(f"expected 0 <= tp_rank < tp_size, got {self.tp_rank}, {self.tp_size}")
+        if self.hash_name not in HASH_NAMES:
+            raise ValueError(f"expected hash_name in {HASH_NAMES}, got {self.hash_name!r}")
+        for f in ("model_revision", "dtype", "kv_layout", "lora_name", "lora_version", "cache_salt"):
+            v = getattr(self, f)
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"expected {f} to be a str or None, got {type(v).__name__}")
+
+    def canonical_bytes(self) -> bytes:
+        """Canonical encoding: msgpack of ``[[field_name, value], ...]`` in declaration order.
+
+        Tagging each value with its field name means ``lora_name="x"`` and ``cache_salt="x"``
+        can never encode alike (case K2), and ``None`` stays distinct from ``""``.
+        """
+        values = asdict(self)
+        return msgpack.packb([[f.name, values[f.name]] for f in fields(self)], use_bin_type=True)
+
+    def namespace(self) -> bytes:
+        """32-byte SHA-256 digest of the key context: the root of every block hash chain."""
+        return hashlib.sha256(_NAMESPACE_DOMAIN + self.canonical_bytes()).digest()
+
+
+def hash_block_tokens(
+    parent: bytes,
+    token_ids: Sequence[int] | np.ndarray,
+    extra_keys: bytes = b"",
+    hash_name: str = "sha256",
+) -> BlockHash:
+    """Hash one full block of ``token_ids`` chained to ``parent``.
+
+    Args:
+        parent: previous block's hash, or the namespace for the first block.
+        token_ids: the block's token ids (``block_size`` ints, each in [0, 2**63)).
+        extra_keys: canonical bytes of anything else that changes this block's K/V
+            (e.g. an image hash for multimodal tokens); empty when none.
+        hash_name: ``"sha256"`` or ``"xxh3_128"``.
+    """
+    tokens = np.ascontiguousarray(token_ids, dtype="<i8")
+    header = len(parent).to_bytes(1, "little") + parent + len(tokens).to_bytes(4, "little")
+    body = tokens.tobytes() + len(extra_keys).to_bytes(4, "little") + extra_keys
+    return BlockHash(_digest(hash_name, _BLOCK_DOMAIN + header + body))
+
+
+def block_hashes_for(
+    token_ids: Sequence[int] | np.ndarray,
+    namespace: bytes,
+    block_size: int,
+    hash_name: str = "sha256",
+    extra_keys: Sequence[bytes] | None = None,
+) -> list[BlockHash]:
+    """Chained hashes of every full block of ``token_ids``; the partial tail gets none.
+
+    Args:
+        token_ids: the prompt (or prompt + output) token ids, ``[num_tokens]`` ints.
+        namespace: ``KeyContext.namespace()``.
+        block_size: tokens per block.
+        hash_name: ``"sha256"`` or ``"xxh3_128"``.
+        extra_keys: optional per-block extra key bytes, one entry per full block.
+
+    Returns:
+        ``num_tokens // block_size`` hashes, in prompt order.
+
+    Raises:
+        ValueError: negative token ids, a bad ``block_size`` or ``extra_keys`` length.
+    """
+    if block_size <= 0:
+        raise ValueError(f"expected block_size > 0, got {block_size}")
+    tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    if tokens.size and int(tokens.min()) < 0:
+        raise ValueError(f"expected non-negative token ids, got min {int(tokens.min())}")
+    num_blocks = tokens.size // block_size
+    if extra_keys is not None and len(extra_keys) != num_blocks:
+        raise ValueError(f"expected {num_blocks} extra_keys entries, got {len(extra_keys)}")
+    hashes: list[BlockHash] = []
+    parent = namespace
+    for i in range(num_blocks):
+        extra = extra_keys[i] if extra_keys is not None else b""
+        parent = hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size], extra, hash_name)
+        hashes.append(parent)
+    return hashes

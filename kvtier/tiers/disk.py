@@ -1,0 +1,298 @@
+"""DISK tier: an LMDB environment with one record per block, a byte cap and LRU order.
+
+Record value = 96-byte header + raw block bytes::
+
+    magic "KVTB" | version u16 | dtype code u8 | ndim u8 | shape 8 x u32 | namespace 32 B |
+    payload_nbytes u64 | seq u64 | checksum u64 (xxh3-64 over the header before it + payload)
+
+Key = the block hash. Every read is verified (magic, version, namespace, dtype, shape, size,
+checksum); a record that fails is reported as ``CORRUPT`` and dropped, never served (case D1).
+
+Durability: the environment is opened with ``writemap=True, sync=False``: a committed write
+transaction is in the shared page cache, so it survives a ``kill -9`` of the process (LMDB
+writes the meta page last, so a crash mid-transaction leaves the previous state);
+:meth:`DiskTier.flush` fsyncs for power-loss durability. Reopening the directory rebuilds the
+index (hash -> footprint, LRU order by store sequence) from the records' headers.
+
+Accounting: ``used_bytes`` is the sum of record footprints, each rounded up to whole LMDB
+pages as LMDB stores large values on overflow pages; it never exceeds ``capacity_bytes``.
+One process writes a directory at a time (the daemon is how processes share a cache).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import struct
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import lmdb
+import numpy as np
+import torch
+import xxhash
+
+from kvtier.tiers.lru import SegmentedLRU
+from kvtier.types import DTYPE_NAMES, BlockHash, Medium
+
+logger = logging.getLogger(__name__)
+
+_MAGIC = b"KVTB"
+_VERSION = 1
+_HEADER = struct.Struct("<4sHBB8I32sQQ")  # everything but the trailing checksum
+_CHECKSUM = struct.Struct("<Q")
+HEADER_NBYTES = _HEADER.size + _CHECKSUM.size  # 96
+_DTYPE_CODES = {name: i + 1 for i, name in enumerate(sorted(DTYPE_NAMES.values()))}
+_DTYPE_BY_CODE = {code: name for name, code in _DTYPE_CODES.items()}
+_OVERFLOW_PAGE_HEADER = 16  # bytes LMDB reserves at the start of an overflow page run
+
+
+class ReadStatus(enum.Enum):
+    OK = "ok"
+    MISSING = "missing"
+    CORRUPT = "corrupt"
+
+
+class DiskTier:
+    """LMDB-backed block store.
+
+    Args:
+        path: directory of the LMDB environment (created if missing).
+        capacity_bytes: cap on the sum of record footprints, bytes.
+
+    Raises:
+        ValueError: ``capacity_bytes`` < one page.
+        lmdb.Error: the directory cannot be opened (permissions, not an LMDB environment).
+    """
+
+    medium = Medium.DISK
+
+    def __init__(self, path: str | os.PathLike, capacity_bytes: int) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        # Slack for B-tree pages and pages freed by transactions still visible to a reader.
+        map_size = capacity_bytes + capacity_bytes // 4 + (64 << 20)
+        self.env = lmdb.open(
+            str(self.path), map_size=map_size, writemap=True, sync=False, metasync=False,
+            max_dbs=0, max_readers=512, readahead=True,
+        )
+        self.page_nbytes: int = self.env.stat()["psize"]
+        if capacity_bytes < self.page_nbytes:
+            raise ValueError(f"expected DISK capacity >= {self.page_nbytes} bytes, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self._lru: SegmentedLRU[BlockHash, int] = SegmentedLRU(max_ghosts=1 << 16)  # hash -> footprint bytes
+        self._used = 0
+        self._seq = 0
+        self._rebuild_index()
+
+    # -- accounting ------------------------------------------------------------------------
+    def footprint(self, payload_nbytes: int) -> int:
+        """Bytes one record of ``payload_nbytes`` occupies in the database (page-rounded)."""
+        return record_footprint(payload_nbytes, self.page_nbytes)
+
+    def footprint_of(self, block_hash: BlockHash) -> int:
+        """Footprint (bytes) of a stored record."""
+        return self._lru[block_hash]
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self._used
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._lru
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def lru_order(self) -> Iterator[BlockHash]:
+        """Block hashes in eviction order (kvtier.tiers.lru)."""
+        return self._lru.eviction_order()
+
+    def touch(self, block_hash: BlockHash) -> None:
+        """A use: most recent, protected from scans."""
+        self._lru.touch(block_hash)
+
+    def refresh(self, block_hash: BlockHash) -> None:
+        self._lru.refresh(block_hash)
+
+    # -- writes ----------------------------------------------------------------------------
+    def write_batch(
+        self,
+        puts: Sequence[tuple[BlockHash, bytes, torch.Tensor]] = (),
+        deletes: Sequence[BlockHash] = (),
+        evicted: bool = True,
+    ) -> list[bool]:
+        """Delete ``deletes`` and write ``puts`` in one LMDB write transaction.
+
+        Args:
+            puts: ``(block_hash, namespace, block)`` with ``block`` a contiguous CPU tensor of
+                one block (``[num_layers, 2, block_size, num_kv_heads, head_dim]``).
+            deletes: hashes to drop.
+            evicted: the deletes make room (remembered by the eviction policy).
+
+        Returns:
+            one bool per put: ``True`` when stored (or already present), ``False`` when it did
+            not fit (the caller must make room first; the cap is never exceeded) or the disk
+            or map is full (D3: a failed store is a return value, stored blocks stay readable).
+        """
+        results: list[bool] = []
+        try:
+            with self.env.begin(write=True) as txn:
+                for h in deletes:
+                    txn.delete(h)
+                used = self._used - sum(self._lru.get(h, 0) for h in set(deletes))
+                staged: list[tuple[BlockHash, int]] = []
+                for h, namespace, block in puts:
+                    if h in self._lru and h not in deletes:
+                        results.append(True)
+                        continue
+                    size = self.footprint(block.numel() * block.element_size())
+                    if used + size > self.capacity_bytes:
+                        results.append(False)
+                        continue
+                    self._seq += 1
+                    txn.put(h, _encode_record(namespace, block, self._seq))
+                    used += size
+                    staged.append((h, size))
+                    results.append(True)
+        except (lmdb.MapFullError, lmdb.DiskError, OSError) as exc:
+            # Nothing of this transaction is visible; the index is unchanged.
+            logger.warning("DISK write of %d blocks failed: %s", len(puts), exc)
+            return [False] * len(puts)
+        for h in deletes:
+            self._forget(h, evicted)
+        for h, size in staged:
+            self._lru.add(h, size)
+            self._used += size
+        return results
+
+    def remove(self, block_hashes: Sequence[BlockHash]) -> None:
+        """Drop records (not an eviction: corrupt or unwanted). Missing hashes are ignored."""
+        self.write_batch(deletes=[h for h in block_hashes if h in self._lru], evicted=False)
+
+    def _forget(self, block_hash: BlockHash, evicted: bool = False) -> None:
+        if block_hash in self._lru:
+            self._used -= self._lru.pop(block_hash, evicted=evicted)
+
+    # -- reads -----------------------------------------------------------------------------
+    def read_into(self, block_hash: BlockHash, namespace: bytes, out: torch.Tensor) -> ReadStatus:
+        """Copy the block's bytes into ``out`` (a contiguous CPU tensor of the block's shape
+        and dtype) after verifying the record. A corrupt record is deleted and reported."""
+        with self.env.begin(buffers=True) as txn:
+            value = txn.get(block_hash)
+            if value is None:
+                status = ReadStatus.MISSING
+            else:
+                status = _decode_into(value, namespace, out)
+        if status is ReadStatus.OK:
+            if block_hash in self._lru:
+                self.touch(block_hash)
+        elif block_hash in self._lru:
+            logger.warning("DISK block %s: %s; dropped", block_hash.hex()[:16], status.value)
+            self.remove([block_hash])
+        return status
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def flush(self) -> None:
+        """fsync the environment (committed writes already survive a process crash)."""
+        self.env.sync(True)
+
+    def close(self) -> None:
+        if self.env is not None:
+            self.env.sync(True)
+            self.env.close()
+            self.env = None  # type: ignore[assignment]
+
+    def _rebuild_index(self) -> None:
+        entries: list[tuple[int, BlockHash, int]] = []
+        bad: list[bytes] = []
+        with self.env.begin(buffers=True) as txn:
+            for key, value in txn.cursor():
+                parsed = _parse_header(value)
+                if parsed is None:
+                    bad.append(bytes(key))
+                    continue
+                payload_nbytes, seq = parsed
+                entries.append((seq, BlockHash(bytes(key)), self.footprint(payload_nbytes)))
+        entries.sort()
+        for seq, h, size in entries:
+            self._lru.add(h, size)
+            self._used += size
+            self._seq = max(self._seq, seq)
+        if bad:
+            logger.warning("DISK: dropping %d records with unreadable headers", len(bad))
+            self.write_batch(deletes=[BlockHash(k) for k in bad])
+        # A smaller cap than the data on disk: drop the least recently stored.
+        while self._used > self.capacity_bytes and len(self._lru):
+            self.remove([next(self._lru.eviction_order())])
+
+    def check(self) -> None:
+        """Invariant check for tests: index and database agree, cap respected."""
+        with self.env.begin(buffers=True) as txn:
+            on_disk = {bytes(k): self.footprint(_parse_header(v)[0]) for k, v in txn.cursor()}
+        assert on_disk == dict(self._lru.items()), "DISK index and database disagree"
+        assert self._used == sum(on_disk.values()), "DISK usage accounting is off"
+        assert self._used <= self.capacity_bytes, "DISK capacity exceeded"
+
+
+def record_footprint(payload_nbytes: int, page_nbytes: int = 4096) -> int:
+    """Bytes a record of ``payload_nbytes`` occupies: header + payload + LMDB's overflow
+    page header, rounded up to whole pages (LMDB stores large values on overflow pages)."""
+    total = HEADER_NBYTES + payload_nbytes + _OVERFLOW_PAGE_HEADER
+    return -(-total // page_nbytes) * page_nbytes
+
+
+def _encode_record(namespace: bytes, block: torch.Tensor, seq: int) -> bytes:
+    assert block.is_contiguous() and block.device.type == "cpu", "block must be contiguous on CPU"
+    shape = list(block.shape)
+    assert len(shape) <= 8 and len(namespace) == 32
+    payload = memoryview(block.view(torch.uint8).numpy()).cast("B") if block.numel() else b""
+    header = _HEADER.pack(
+        _MAGIC, _VERSION, _DTYPE_CODES[DTYPE_NAMES[block.dtype]], len(shape),
+        *(shape + [0] * (8 - len(shape))), namespace, len(payload), seq,
+    )
+    digest = xxhash.xxh3_64(header)
+    digest.update(payload)
+    return b"".join((header, _CHECKSUM.pack(digest.intdigest()), payload))
+
+
+def _parse_header(value: memoryview) -> tuple[int, int] | None:
+    """``(payload_nbytes, seq)`` of a record, or ``None`` if the header is not kvtier's."""
+    if len(value) < HEADER_NBYTES:
+        return None
+    magic, version, _, _, *rest = _HEADER.unpack_from(value)
+    if magic != _MAGIC or version != _VERSION:
+        return None
+    payload_nbytes, seq = rest[-2], rest[-1]
+    return payload_nbytes, seq
+
+
+def _decode_into(value: memoryview, namespace: bytes, out: torch.Tensor) -> ReadStatus:
+    if len(value) < HEADER_NBYTES:
+        return ReadStatus.CORRUPT
+    magic, version, dtype_code, ndim, *rest = _HEADER.unpack_from(value)
+    shape, ns, payload_nbytes = rest[:8][:ndim], rest[8], rest[9]
+    if (
+        magic != _MAGIC
+        or version != _VERSION
+        or ns != namespace
+        or _DTYPE_BY_CODE.get(dtype_code) != DTYPE_NAMES.get(out.dtype)
+        or tuple(shape) != tuple(out.shape)
+        or payload_nbytes != out.numel() * out.element_size()
+        or len(value) != HEADER_NBYTES + payload_nbytes
+    ):
+        return ReadStatus.CORRUPT
+    payload = value[HEADER_NBYTES:]
+    digest = xxhash.xxh3_64(value[: _HEADER.size])
+    digest.update(payload)
+    (stored,) = _CHECKSUM.unpack_from(value, _HEADER.size)
+    if digest.intdigest() != stored:
+        return ReadStatus.CORRUPT
+    if payload_nbytes:
+        np.copyto(out.view(torch.uint8).numpy().reshape(-1), np.frombuffer(payload, dtype=np.uint8))
+    return ReadStatus.OK

@@ -1,0 +1,123 @@
+"""GPU and CPU tiers: one preallocated pool tensor of fixed block slots, with exact LRU order.
+
+The pool is allocated once at start-up (no per-block malloc on the hot path)::
+
+    tensor: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], dtype of the model
+
+and slot ``block_id`` holds one block. On the CPU medium the tensor is pinned when CUDA is
+available, so copies to and from the GPU are asynchronous DMA.
+
+A pool knows nothing of pins or of other tiers: the store decides what to evict (it skips
+pinned blocks) and where a victim goes. Expected pressure is a return value:
+:meth:`BlockPool.allocate` returns ``None`` when no slot is free (vLLM ``allocate_slots``).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from kvtier.tiers.lru import SegmentedLRU
+from kvtier.types import BlockHash, KVSpec, Medium
+
+
+class BlockPool:
+    """Fixed-slot block pool on one device.
+
+    Args:
+        medium: ``Medium.GPU`` or ``Medium.CPU``.
+        spec: block shape and dtype.
+        capacity_bytes: pool size in bytes; ``capacity_bytes // spec.block_nbytes`` slots.
+        device: torch device of the pool tensor.
+        pin_memory: pin the (CPU) tensor for asynchronous host<->device copies.
+
+    Raises:
+        ValueError: capacity smaller than one block.
+    """
+
+    def __init__(
+        self,
+        medium: Medium,
+        spec: KVSpec,
+        capacity_bytes: int,
+        device: torch.device | str = "cpu",
+        pin_memory: bool = False,
+    ) -> None:
+        num_blocks = capacity_bytes // spec.block_nbytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"expected {medium} capacity >= one block ({spec.block_nbytes} bytes), got {capacity_bytes}"
+            )
+        self.medium = medium
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.tensor = torch.empty(
+            (num_blocks, *spec.block_shape), dtype=spec.dtype, device=device, pin_memory=pin_memory
+        )
+        # Slot 0 is handed out first: pop() from the end of a reversed list.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        # block_hash -> block_id, in eviction order (kvtier.tiers.lru).
+        self._lru: SegmentedLRU[BlockHash, int] = SegmentedLRU(max_ghosts=num_blocks)
+
+    # -- queries ---------------------------------------------------------------------------
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._lru
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def block_id(self, block_hash: BlockHash) -> int | None:
+        return self._lru.get(block_hash)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_blocks * self.spec.block_nbytes
+
+    @property
+    def used_bytes(self) -> int:
+        return len(self._lru) * self.spec.block_nbytes
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def lru_order(self) -> Iterator[BlockHash]:
+        """Block hashes in eviction order (probation LRU first, then protected LRU)."""
+        return self._lru.eviction_order()
+
+    # -- mutations -------------------------------------------------------------------------
+    def touch(self, block_hash: BlockHash) -> None:
+        """A use of ``block_hash``: most recently used, protected from scans."""
+        self._lru.touch(block_hash)
+
+    def refresh(self, block_hash: BlockHash) -> None:
+        """Most recent within its segment, without counting a use."""
+        self._lru.refresh(block_hash)
+
+    def allocate(self, block_hash: BlockHash) -> int | None:
+        """Reserve a free slot for ``block_hash`` (most recently used). ``None`` when full."""
+        assert block_hash not in self._lru, "block already in pool"
+        if not self._free:
+            return None
+        block_id = self._free.pop()
+        self._lru.add(block_hash, block_id)
+        return block_id
+
+    def free(self, block_hash: BlockHash, evicted: bool = False) -> int:
+        """Drop ``block_hash``'s copy; its slot becomes free. Returns the freed block_id.
+        ``evicted``: dropped to make room (remembered for the eviction policy)."""
+        block_id = self._lru.pop(block_hash, evicted=evicted)
+        self._free.append(block_id)
+        return block_id
+
+    def clear(self) -> None:
+        self._lru.clear()
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+
+    def check(self) -> None:
+        """Invariant check for tests: every slot is either free or owned by one hash."""
+        owned = list(self._lru.values())
+        assert len(set(owned)) == len(owned), "two hashes share one slot"
+        assert not set(owned) & set(self._free), "a slot is both owned and free"
+        assert len(owned) + len(self._free) == self.num_blocks, "a slot leaked"

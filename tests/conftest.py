@@ -1,0 +1,62 @@
+"""Shared factories: tiny specs and stores (CPU-first; one head, small head_dim)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.config import StoreConfig
+from kvtier.hashing import KeyContext, block_hashes_for
+from kvtier.store import TieredStore
+from kvtier.tiers.disk import record_footprint
+from kvtier.types import KVSpec
+
+BLOCK_SIZE = 4
+
+
+def tiny_spec(block_size: int = BLOCK_SIZE, dtype: torch.dtype = torch.float32) -> KVSpec:
+    return KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, block_size=block_size, dtype=dtype)
+
+
+def random_blocks(spec: KVSpec, n: int, seed: int = 0) -> torch.Tensor:
+    """``[n, *spec.block_shape]`` random (never zero) blocks."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((n, *spec.block_shape), generator=g).to(spec.dtype)
+
+
+def chain(n_blocks: int, spec: KVSpec, namespace: bytes, start: int = 0) -> list:
+    tokens = list(range(start, start + n_blocks * spec.block_size))
+    return block_hashes_for(tokens, namespace, spec.block_size)
+
+
+@pytest.fixture
+def namespace() -> bytes:
+    return KeyContext(model_id="test-model", block_size=BLOCK_SIZE).namespace()
+
+
+@pytest.fixture
+def make_store(tmp_path, namespace):
+    """``make_store(gpu_blocks=, cpu_blocks=, disk_blocks=, **config)`` -> TieredStore with
+    capacities counted in blocks; closed at teardown."""
+    stores: list[TieredStore] = []
+
+    def factory(gpu_blocks=4, cpu_blocks=0, disk_blocks=0, spec=None, data_dir=None, **kwargs):
+        spec = spec or tiny_spec()
+        disk_bytes = 0
+        if disk_blocks:
+            disk_bytes = disk_blocks * record_footprint(spec.block_nbytes)
+        config = StoreConfig(
+            gpu_bytes=gpu_blocks * spec.block_nbytes,
+            cpu_bytes=cpu_blocks * spec.block_nbytes,
+            disk_bytes=disk_bytes,
+            block_size=spec.block_size,
+            data_dir=data_dir or tmp_path / "kvtier",
+            **kwargs,
+        )
+        store = TieredStore(spec, config, namespace, device="cpu")
+        stores.append(store)
+        return store
+
+    yield factory
+    for store in stores:
+        store.close()

@@ -1,0 +1,155 @@
+"""HF connector on a tiny random-weight Llama: exact K/V reuse, identical greedy output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvtier.config import StoreConfig
+from kvtier.connectors.hf import HFConnector, cache_kwarg
+from kvtier.types import Medium
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture
+def connector(model, tmp_path):
+    config = StoreConfig(gpu_bytes=4 << 20, cpu_bytes=4 << 20, disk_bytes=64 << 20, block_size=BLOCK, data_dir=tmp_path)
+    conn = HFConnector.from_model(model, config, model_id="tiny-llama")
+    yield conn
+    conn.close()
+
+
+def prompt(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 256, (1, n), generator=g)
+
+
+def generate(model, input_ids, connector=None, max_new_tokens=8):
+    """Greedy generate through model.generate, with or without kvtier."""
+    kwargs = {}
+    plan = None
+    if connector is not None:
+        plan = connector.before_prefill(input_ids)
+        kwargs = plan.generate_kwargs()
+    with torch.inference_mode():
+        out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **kwargs)
+    if connector is not None:
+        connector.after_request(out[0], plan.cache)
+    return out[0, input_ids.shape[1]:].tolist(), plan
+
+
+def test_suffix_prefill_logits_match_full_prefill(model, connector):
+    """Tolerance: max abs logit difference <= 1e-4 in fp32 (a prefix computed in one pass and
+    reused gives the same K/V bytes; only the suffix's matmul shapes differ)."""
+    ids = prompt(70)
+    first, _ = generate(model, ids[:, :50], connector)
+    plan = connector.before_prefill(ids)
+    assert plan.num_cached_tokens == 48
+    with torch.inference_mode():
+        full = model(ids).logits[0, 48:]
+        suffix = model(ids[:, 48:], **plan.generate_kwargs()).logits[0]
+    assert (full - suffix).abs().max().item() <= 1e-4
+
+
+def test_multi_turn_greedy_output_identical_with_and_without_kvtier(model, connector):
+    history = prompt(40, seed=1)
+    for turn in range(4):
+        cold, _ = generate(model, history)
+        warm, plan = generate(model, history, connector)
+        assert warm == cold, f"turn {turn + 1}"
+        if turn:
+            assert plan.num_cached_tokens >= BLOCK * ((history.shape[1] - 30) // BLOCK)
+        user = prompt(20, seed=10 + turn)
+        history = torch.cat([history, torch.tensor([cold]), user], dim=1)
+
+
+def test_full_hit_leaves_one_block_to_compute_regression_b1(model, connector):
+    ids32 = prompt(32, seed=2)
+    cold, _ = generate(model, ids32)
+    generate(model, ids32, connector)
+    warm, plan = generate(model, ids32, connector)
+    assert plan.num_cached_tokens == 16 and warm == cold
+    ids33 = torch.cat([ids32, prompt(1, seed=3)], dim=1)
+    cold33, _ = generate(model, ids33)
+    warm33, plan33 = generate(model, ids33, connector)
+    assert plan33.num_cached_tokens == 32 and warm33 == cold33
+
+
+def test_after_request_stores_only_full_blocks_regression_b3(model, connector):
+    ids = prompt(3 * BLOCK + 5, seed=4)
+    with torch.inference_mode():
+        out = model(ids, use_cache=True)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    assert connector.after_request(ids[0], cache) == 3
+    assert connector.store.lookup(connector.block_hashes(ids[0])).num_hit_blocks == 3
+
+
+def test_hits_come_back_from_disk_after_restart(model, tmp_path):
+    config = StoreConfig(gpu_bytes=4 << 20, cpu_bytes=0, disk_bytes=64 << 20, block_size=BLOCK, data_dir=tmp_path)
+    ids = prompt(100, seed=5)
+    first = HFConnector.from_model(model, config, model_id="tiny-llama")
+    cold, _ = generate(model, ids, first)
+    first.close()
+    second = HFConnector.from_model(model, config, model_id="tiny-llama")
+    warm, plan = generate(model, ids, second)
+    second.close()
+    assert plan.num_cached_tokens == 96 and set(plan.sources) == {Medium.DISK} and warm == cold
+
+
+def test_corrupt_disk_record_is_a_miss_and_output_matches_cold_regression_d1(model, tmp_path):
+    import lmdb
+
+    config = StoreConfig(gpu_bytes=4 << 20, cpu_bytes=0, disk_bytes=64 << 20, block_size=BLOCK, data_dir=tmp_path)
+    ids = prompt(80, seed=6)
+    first = HFConnector.from_model(model, config, model_id="tiny-llama")
+    cold, _ = generate(model, ids, first)
+    hashes = first.block_hashes(ids[0])
+    first.close()
+    env = lmdb.open(str(tmp_path / "disk"))
+    with env.begin(write=True) as txn:  # flip one payload byte of block 2
+        value = bytearray(txn.get(hashes[2]))
+        value[-7] ^= 0x40
+        txn.put(hashes[2], bytes(value))
+    env.close()
+    second = HFConnector.from_model(model, config, model_id="tiny-llama")
+    warm, plan = generate(model, ids, second)
+    assert plan.num_cached_tokens == 2 * BLOCK  # blocks 0-1; the corrupt block and after: miss
+    assert second.store.stats.load_failures["corrupt"] == 1
+    assert warm == cold
+    second.close()
+
+
+def test_other_adapter_or_salt_misses(model, tmp_path):
+    config = StoreConfig(gpu_bytes=4 << 20, cpu_bytes=0, disk_bytes=0, block_size=BLOCK, data_dir=tmp_path)
+    ids = prompt(64, seed=7)
+    a = HFConnector.from_model(model, config, model_id="tiny-llama", lora_name="a")
+    generate(model, ids, a)
+    assert a.before_prefill(ids).num_cached_tokens == 48
+    for kwargs in ({"lora_name": "b"}, {}, {"cache_salt": "a"}):
+        other = HFConnector.from_model(model, config, model_id="tiny-llama", **kwargs)
+        assert len(other.block_hashes(ids[0])) == 4
+        assert a.store.lookup(other.block_hashes(ids[0])).num_hit_blocks == 0
+        other.close()
+
+
+def test_bad_input_raises_value_error(connector):
+    with pytest.raises(ValueError, match="batch size 1"):
+        connector.before_prefill(torch.zeros(2, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="non-empty"):
+        connector.before_prefill(torch.zeros(1, 0, dtype=torch.long))
+
+
+def test_cache_kwarg_name(model):
+    assert cache_kwarg(model) in ("cache", "past_key_values")
