@@ -289,8 +289,12 @@ class TieredStore:
         device = self.top.tensor.device
 
         def write(indices: list[int], block_ids: list[int]) -> None:
-            src = blocks.index_select(0, torch.tensor(indices, device=blocks.device))
-            self.top.tensor[torch.tensor(block_ids, device=device)] = src.to(device)
+            if indices == list(range(indices[0], indices[-1] + 1)):
+                src = blocks[indices[0] : indices[-1] + 1]  # a view: one copy in all
+            else:
+                src = blocks.index_select(0, torch.tensor(indices, device=blocks.device))
+            ids = torch.tensor(block_ids, device=device)
+            self.top.tensor.index_copy_(0, ids, src.to(device, non_blocking=True))
 
         return self.store_with(block_hashes, write)
 

@@ -1,0 +1,133 @@
+"""DiskTier: verified records, exact accounting, cap, reopen, corrupt and full-disk cases."""
+
+from __future__ import annotations
+
+import os
+
+import lmdb
+import pytest
+import torch
+
+from kvtier.tiers.disk import HEADER_NBYTES, DiskTier, ReadStatus, record_footprint
+
+NS = b"n" * 32
+
+
+def blocks(n, shape=(2, 2, 4, 1, 8), dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((n, *shape), generator=g).to(dtype)
+
+
+def hashes(n, salt=b""):
+    return [os.urandom(31) + bytes([i]) for i in range(n)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_round_trip_is_byte_exact(tmp_path, dtype):
+    tier = DiskTier(tmp_path, 1 << 20)
+    data = blocks(3, dtype=dtype)
+    hs = hashes(3)
+    assert tier.write_batch([(h, NS, b) for h, b in zip(hs, data)]) == [True] * 3
+    for h, b in zip(hs, data):
+        out = torch.full_like(b, 7)
+        assert tier.read_into(h, NS, out) is ReadStatus.OK
+        assert torch.equal(out.view(torch.uint8), b.view(torch.uint8))
+    tier.check()
+    tier.close()
+
+
+def test_accounting_is_exact_and_cap_holds(tmp_path):
+    b = blocks(1)[0]
+    footprint = record_footprint(b.numel() * 4)
+    tier = DiskTier(tmp_path, 3 * footprint)
+    hs = hashes(4)
+    results = tier.write_batch([(h, NS, b) for h in hs])
+    assert results == [True, True, True, False]  # the fourth would exceed the cap
+    assert tier.used_bytes == 3 * footprint == tier.capacity_bytes
+    tier.write_batch([(hs[3], NS, b)], deletes=[hs[0]])
+    assert hs[0] not in tier and hs[3] in tier and tier.used_bytes == 3 * footprint
+    tier.check()
+    tier.close()
+
+
+def test_reopen_rebuilds_index_in_store_order(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20)
+    hs = hashes(4)
+    for h, b in zip(hs, blocks(4)):
+        tier.write_batch([(h, NS, b)])
+    used = tier.used_bytes
+    tier.close()
+    again = DiskTier(tmp_path, 1 << 20)
+    assert list(again.lru_order()) == hs and again.used_bytes == used
+    again.check()
+    again.close()
+
+
+def test_smaller_cap_on_reopen_drops_oldest(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20)
+    hs = hashes(4)
+    data = blocks(4)
+    for h, b in zip(hs, data):
+        tier.write_batch([(h, NS, b)])
+    tier.close()
+    small = DiskTier(tmp_path, 2 * record_footprint(data[0].numel() * 4))
+    assert list(small.lru_order()) == hs[2:]
+    small.check()
+    small.close()
+
+
+@pytest.mark.parametrize("damage", ["flip_payload", "flip_header", "truncate", "garbage"])
+def test_corrupt_record_is_reported_and_dropped_regression_d1(tmp_path, damage):
+    tier = DiskTier(tmp_path, 1 << 20)
+    (h,), (b,) = hashes(1), blocks(1)
+    tier.write_batch([(h, NS, b)])
+    with tier.env.begin(write=True) as txn:
+        value = bytearray(txn.get(h))
+        if damage == "flip_payload":
+            value[HEADER_NBYTES + 5] ^= 1
+        elif damage == "flip_header":
+            value[50] ^= 1
+        elif damage == "truncate":
+            value = value[:-3]
+        else:
+            value = bytearray(b"not a kvtier record")
+        txn.put(h, bytes(value))
+    out = torch.full_like(b, 7)
+    assert tier.read_into(h, NS, out) is ReadStatus.CORRUPT
+    assert torch.equal(out, torch.full_like(b, 7)) or damage != "garbage"
+    assert h not in tier
+    assert tier.read_into(h, NS, out) is ReadStatus.MISSING
+    tier.check()
+    tier.close()
+
+
+def test_wrong_namespace_shape_or_dtype_is_not_served(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20)
+    hs, data = hashes(3), blocks(3)
+    tier.write_batch([(h, NS, b) for h, b in zip(hs, data)])
+    assert tier.read_into(hs[0], b"m" * 32, torch.empty_like(data[0])) is ReadStatus.CORRUPT
+    assert tier.read_into(hs[1], NS, torch.empty(2, 2, 4, 1, 4)) is ReadStatus.CORRUPT
+    assert tier.read_into(hs[2], NS, torch.empty_like(data[2]).half()) is ReadStatus.CORRUPT
+    tier.close()
+
+
+def test_full_map_makes_stores_return_false_and_keeps_blocks_regression_d3(tmp_path):
+    # A cap far above what the LMDB map can hold: the map fills before the cap does.
+    tier = DiskTier(tmp_path, 1 << 20)
+    tier.env.set_mapsize(256 << 10)
+    big = torch.randn(64 << 10)  # 256 KiB payload: cannot fit in a 256 KiB map
+    (h_small,), (b_small,) = hashes(1), blocks(1)
+    assert tier.write_batch([(h_small, NS, b_small)]) == [True]
+    (h_big,) = hashes(1)
+    assert tier.write_batch([(h_big, NS, big)]) == [False]
+    out = torch.empty_like(b_small)
+    assert tier.read_into(h_small, NS, out) is ReadStatus.OK and torch.equal(out, b_small)
+    tier.check()
+    tier.close()
+
+
+def test_not_a_directory_raises(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("x")
+    with pytest.raises((lmdb.Error, OSError)):
+        DiskTier(path, 1 << 20)
