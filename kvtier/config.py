@@ -61,6 +61,8 @@ class StoreConfig:
     every stored block is also written to every lower tier at once."""
     data_dir: Path = field(default_factory=default_data_dir)
     """Directory of the DISK tier's LMDB environment."""
+    num_io_threads: int = 2
+    """Threads for DISK reads and writes (a tuning knob: never part of a key)."""
     flush_on_close: bool = True
     """On close, write every block that is only in GPU/CPU memory down to DISK, so that the
     next process finds it (persistence across restarts)."""
@@ -68,8 +70,10 @@ class StoreConfig:
     def __post_init__(self) -> None:
         for name in ("gpu_bytes", "cpu_bytes", "disk_bytes"):
             object.__setattr__(self, name, parse_bytes(getattr(self, name)))
-        if not isinstance(self.block_size, int) or self.block_size <= 0:
-            raise ValueError(f"expected block_size > 0, got {self.block_size!r}")
+        for name in ("block_size", "num_io_threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"expected {name} > 0, got {value!r}")
         if self.hash_name not in HASH_NAMES:
             raise ValueError(f"expected hash_name in {HASH_NAMES}, got {self.hash_name!r}")
         if self.write_policy not in get_args(WritePolicy):
@@ -98,11 +102,11 @@ class StoreConfig:
 def _coerce(name: str, raw: str) -> Any:
     if name.endswith("_bytes"):
         return parse_bytes(raw)
-    if name == "block_size":
+    if name in ("block_size", "num_io_threads"):
         try:
             return int(raw)
         except ValueError:
-            raise ValueError(f"expected an int for {ENV_PREFIX}BLOCK_SIZE, got {raw!r}") from None
+            raise ValueError(f"expected an int for {ENV_PREFIX}{name.upper()}, got {raw!r}") from None
     if name == "flush_on_close":
         return raw.strip().lower() in ("1", "true", "yes", "on")
     return raw
@@ -121,7 +125,7 @@ def config_options(func):
         elif f.name in ("hash_name", "write_policy"):
             choices = HASH_NAMES if f.name == "hash_name" else get_args(WritePolicy)
             func = click.option(flag, type=click.Choice(choices), default=None, help=help_text)(func)
-        elif f.name == "block_size":
+        elif f.name in ("block_size", "num_io_threads"):
             func = click.option(flag, type=int, default=None, help=help_text)(func)
         else:
             func = click.option(flag, default=None, help=help_text)(func)

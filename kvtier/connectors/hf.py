@@ -1,7 +1,8 @@
 """Hugging Face transformers connector: the two hooks an inference loop calls.
 
     connector = HFConnector.from_model(model)                  # one per model
-    plan = connector.before_prefill(input_ids)                 # lookup + load the hit prefix
+    ticket = connector.prefetch(input_ids)                     # optional: when the request arrives
+    plan = connector.before_prefill(input_ids, ticket)         # lookup + load the hit prefix
     out = model.generate(input_ids, **plan.generate_kwargs(), max_new_tokens=32)
     connector.after_request(out[0], plan.cache)                # store new full blocks
 
@@ -10,6 +11,12 @@ store's top pool and gathers it into a fresh ``DynamicCache`` (one ``[1, num_kv_
 num_cached_tokens, head_dim]`` K and V tensor per layer), so ``generate`` prefills only the
 suffix. A full hit still leaves work: at most ``(prompt_len - 1) // block_size`` blocks are
 loaded, so prefill always has at least one token to produce logits from (case B1).
+
+``prefetch`` starts the load as soon as the request is known (DISK reads on the store's I/O
+threads, CPU->GPU on a side stream), so the copy hides behind whatever the engine does before
+this request's prefill; ``before_prefill`` then only waits for what is still in flight. The
+gather into the cache is done layer by layer with ``handle.wait_layer(i)``, so on CUDA layer i
+is gathered as soon as its own copy landed.
 
 ``after_request`` stores every full block of ``prompt + output`` whose K/V the cache holds
 (the last generated token has none: it was sampled, never fed back).
@@ -31,7 +38,7 @@ import torch
 from kvtier.config import StoreConfig
 from kvtier.hashing import KeyContext, block_hashes_for
 from kvtier.kernels import gather_blocks_to_layers, scatter_contiguous_to_blocks
-from kvtier.store import TieredStore
+from kvtier.store import PrefetchHandle, TieredStore
 from kvtier.types import KV_LAYOUT, BlockHash, KVSpec, Medium, dtype_name
 
 logger = logging.getLogger(__name__)
@@ -66,6 +73,18 @@ def weights_fingerprint(model: torch.nn.Module, samples_per_tensor: int = 64) ->
             digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
             digest.update(sample.numpy().tobytes())
     return digest.hexdigest()[:32]
+
+
+@dataclass
+class PrefetchTicket:
+    """A prefetch started by :meth:`HFConnector.prefetch` for one prompt."""
+
+    block_hashes: list[BlockHash]
+    handle: PrefetchHandle
+
+    def cancel(self) -> None:
+        """Give the pins back (the request went away)."""
+        self.handle.wait().lease.release()
 
 
 @dataclass
@@ -159,11 +178,23 @@ class HFConnector:
         tokens = _token_list(token_ids)
         return block_hashes_for(tokens, self.namespace, self.block_size, self.key_context.hash_name)
 
-    def before_prefill(self, input_ids: torch.Tensor | Sequence[int]) -> PrefillPlan:
+    def prefetch(self, input_ids: torch.Tensor | Sequence[int]) -> PrefetchTicket:
+        """Start loading the prompt's cached prefix now; pass the ticket to
+        :meth:`before_prefill`. Raises ``ValueError`` like :meth:`before_prefill`."""
+        tokens = _prompt_tokens(input_ids)
+        block_hashes = self.block_hashes(tokens)
+        max_blocks = (len(tokens) - 1) // self.block_size  # leave >= 1 token to prefill
+        return PrefetchTicket(block_hashes, self.store.prefetch(block_hashes[:max_blocks]))
+
+    def before_prefill(
+        self, input_ids: torch.Tensor | Sequence[int], ticket: PrefetchTicket | None = None
+    ) -> PrefillPlan:
         """Look up the prompt, load the hit prefix into a new ``DynamicCache``.
 
         Args:
             input_ids: ``[1, prompt_len]`` or ``[prompt_len]`` token ids (int64).
+            ticket: from :meth:`prefetch` for the same prompt (ignored and released if it
+                was for another prompt).
 
         Returns:
             a :class:`PrefillPlan`; ``plan.num_cached_tokens`` <= ``prompt_len - 1``.
@@ -171,23 +202,33 @@ class HFConnector:
         Raises:
             ValueError: batch size other than 1, an empty prompt.
         """
-        tokens = _token_list(input_ids)
-        if not tokens:
-            raise ValueError("expected a non-empty prompt, got 0 tokens")
+        tokens = _prompt_tokens(input_ids)
         block_hashes = self.block_hashes(tokens)
-        max_blocks = (len(tokens) - 1) // self.block_size  # leave >= 1 token to prefill
-        loaded = self.store.load(block_hashes[:max_blocks])
+        if ticket is None or ticket.block_hashes != block_hashes:
+            if ticket is not None:
+                ticket.cancel()
+            ticket = self.prefetch(tokens)
+        handle = ticket.handle
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        if handle.num_blocks:
+            pool = self.store.top.tensor
+            ids = torch.tensor([b.top_id for b in handle.blocks], dtype=torch.int64, device=pool.device)
+            for layer in range(self.store.spec.num_layers):
+                handle.wait_layer(layer)  # on CUDA: this layer's copy only, no host sync
+                k, v = gather_blocks_to_layers(pool[:, layer : layer + 1], ids, check_ids=False)
+                keys.append(k[0])
+                values.append(v[0])
+        loaded = handle.wait()  # a failed block ends the prefix: use only what arrived
+        loaded.lease.release()  # the gathers are queued; later copies into these slots wait for them
+        num_cached = len(loaded.block_ids) * self.block_size
         cache = self._new_cache()
-        with loaded.lease:
-            if loaded.block_ids:
-                block_ids = torch.tensor(loaded.block_ids, dtype=torch.int64, device=self.store.top.tensor.device)
-                keys, values = gather_blocks_to_layers(self.store.top.tensor, block_ids)
-                device = self.model.device
-                for layer, (k, v) in enumerate(zip(keys, values)):
-                    cache.update(k.to(device, non_blocking=True), v.to(device, non_blocking=True), layer)
-        return PrefillPlan(
-            len(loaded.block_ids) * self.block_size, cache, block_hashes, loaded.sources, self._cache_kwarg
-        )
+        if num_cached:
+            device = self.model.device
+            for layer, (k, v) in enumerate(zip(keys, values)):
+                k, v = k[:, :, :num_cached], v[:, :, :num_cached]
+                cache.update(k.to(device, non_blocking=True), v.to(device, non_blocking=True), layer)
+        return PrefillPlan(num_cached, cache, block_hashes, loaded.sources, self._cache_kwarg)
 
     def after_request(self, token_ids: torch.Tensor | Sequence[int], cache: Any) -> int:
         """Store the new full blocks of ``token_ids`` (prompt + output, ``[num_tokens]`` or
@@ -224,6 +265,13 @@ class HFConnector:
             return DynamicCache(config=self.model.config)
         except TypeError:  # transformers < 4.56 took no config
             return DynamicCache()
+
+
+def _prompt_tokens(input_ids: torch.Tensor | Sequence[int]) -> list[int]:
+    tokens = _token_list(input_ids)
+    if not tokens:
+        raise ValueError("expected a non-empty prompt, got 0 tokens")
+    return tokens
 
 
 def _token_list(token_ids: torch.Tensor | Sequence[int]) -> list[int]:

@@ -17,6 +17,8 @@ index (hash -> footprint, LRU order by store sequence) from the records' headers
 Accounting: ``used_bytes`` is the sum of record footprints, each rounded up to whole LMDB
 pages as LMDB stores large values on overflow pages; it never exceeds ``capacity_bytes``.
 One process writes a directory at a time (the daemon is how processes share a cache).
+Threads: reads (:meth:`DiskTier.read_into`) may run on many I/O threads at once and never
+touch the index; index changes and writes take the tier's lock.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import enum
 import logging
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -84,6 +87,7 @@ class DiskTier:
         self._lru: SegmentedLRU[BlockHash, int] = SegmentedLRU(max_ghosts=1 << 16)  # hash -> footprint bytes
         self._used = 0
         self._seq = 0
+        self._lock = threading.RLock()
         self._rebuild_index()
 
     # -- accounting ------------------------------------------------------------------------
@@ -110,15 +114,20 @@ class DiskTier:
         return len(self._lru)
 
     def lru_order(self) -> Iterator[BlockHash]:
-        """Block hashes in eviction order (kvtier.tiers.lru)."""
-        return self._lru.eviction_order()
+        """Block hashes in eviction order (kvtier.tiers.lru); a snapshot."""
+        with self._lock:
+            return iter(list(self._lru.eviction_order()))
 
     def touch(self, block_hash: BlockHash) -> None:
         """A use: most recent, protected from scans."""
-        self._lru.touch(block_hash)
+        with self._lock:
+            if block_hash in self._lru:
+                self._lru.touch(block_hash)
 
     def refresh(self, block_hash: BlockHash) -> None:
-        self._lru.refresh(block_hash)
+        with self._lock:
+            if block_hash in self._lru:
+                self._lru.refresh(block_hash)
 
     # -- writes ----------------------------------------------------------------------------
     def write_batch(
@@ -140,6 +149,10 @@ class DiskTier:
             not fit (the caller must make room first; the cap is never exceeded) or the disk
             or map is full (D3: a failed store is a return value, stored blocks stay readable).
         """
+        with self._lock:
+            return self._write_batch(puts, deletes, evicted)
+
+    def _write_batch(self, puts, deletes, evicted) -> list[bool]:
         results: list[bool] = []
         try:
             with self.env.begin(write=True) as txn:
@@ -173,7 +186,8 @@ class DiskTier:
 
     def remove(self, block_hashes: Sequence[BlockHash]) -> None:
         """Drop records (not an eviction: corrupt or unwanted). Missing hashes are ignored."""
-        self.write_batch(deletes=[h for h in block_hashes if h in self._lru], evicted=False)
+        with self._lock:
+            self._write_batch((), [h for h in block_hashes if h in self._lru], False)
 
     def _forget(self, block_hash: BlockHash, evicted: bool = False) -> None:
         if block_hash in self._lru:
@@ -182,20 +196,14 @@ class DiskTier:
     # -- reads -----------------------------------------------------------------------------
     def read_into(self, block_hash: BlockHash, namespace: bytes, out: torch.Tensor) -> ReadStatus:
         """Copy the block's bytes into ``out`` (a contiguous CPU tensor of the block's shape
-        and dtype) after verifying the record. A corrupt record is deleted and reported."""
+        and dtype) after verifying the record; ``out`` is written only if the record is
+        whole. Thread-safe; changes no index state (the caller drops CORRUPT records with
+        :meth:`remove` and counts the use with :meth:`touch`)."""
         with self.env.begin(buffers=True) as txn:
             value = txn.get(block_hash)
             if value is None:
-                status = ReadStatus.MISSING
-            else:
-                status = _decode_into(value, namespace, out)
-        if status is ReadStatus.OK:
-            if block_hash in self._lru:
-                self.touch(block_hash)
-        elif block_hash in self._lru:
-            logger.warning("DISK block %s: %s; dropped", block_hash.hex()[:16], status.value)
-            self.remove([block_hash])
-        return status
+                return ReadStatus.MISSING
+            return _decode_into(value, namespace, out)
 
     # -- lifecycle -------------------------------------------------------------------------
     def flush(self) -> None:

@@ -101,5 +101,7 @@ class SegmentedLRU(Generic[K, V]):
         self._ghosts.clear()
 
     def eviction_order(self) -> Iterator[K]:
-        """Keys in the order they would be evicted (a snapshot: safe to mutate while iterating)."""
-        return iter(list(self._probation) + list(self._protected))
+        """Keys in the order they would be evicted. Lazy: stop early, and do not change the
+        index while iterating (collect victims first)."""
+        yield from self._probation
+        yield from self._protected

@@ -83,7 +83,8 @@ class BlockPool:
         return len(self._free)
 
     def lru_order(self) -> Iterator[BlockHash]:
-        """Block hashes in eviction order (probation LRU first, then protected LRU)."""
+        """Block hashes in eviction order (probation LRU first, then protected LRU); lazy:
+        do not change the pool while iterating."""
         return self._lru.eviction_order()
 
     # -- mutations -------------------------------------------------------------------------

@@ -153,3 +153,25 @@ def test_bad_input_raises_value_error(connector):
 
 def test_cache_kwarg_name(model):
     assert cache_kwarg(model) in ("cache", "past_key_values")
+
+
+def test_prefetch_ticket_is_used_by_before_prefill(model, tmp_path):
+    config = StoreConfig(gpu_bytes=4 << 20, cpu_bytes=0, disk_bytes=64 << 20, block_size=BLOCK, data_dir=tmp_path)
+    ids = prompt(90, seed=8)
+    first = HFConnector.from_model(model, config, model_id="tiny-llama")
+    cold, _ = generate(model, ids, first)
+    first.close()
+    second = HFConnector.from_model(model, config, model_id="tiny-llama")
+    ticket = second.prefetch(ids)  # DISK reads start on the I/O threads
+    assert ticket.handle.num_blocks == 5
+    plan = second.before_prefill(ids, ticket)
+    assert plan.num_cached_tokens == 80 and set(plan.sources) == {Medium.DISK}
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, **plan.generate_kwargs())
+    assert out[0, ids.shape[1]:].tolist() == cold
+    # a ticket for another prompt is released, not used
+    stale = second.prefetch(prompt(40, seed=9))
+    plan2 = second.before_prefill(ids, stale)
+    assert plan2.num_cached_tokens == 80
+    assert all(second.store.ref_cnt(h) == 0 for h in second.block_hashes(ids[0]))
+    second.close()

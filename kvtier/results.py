@@ -1,0 +1,102 @@
+"""Result and ownership types of the store protocol (see kvtier.store)."""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+from kvtier.types import BlockHash, Medium
+
+if TYPE_CHECKING:
+    from kvtier.store import TieredStore
+
+
+class Lease:
+    """Pins on a set of block hashes; :meth:`release` drops them exactly once."""
+
+    __slots__ = ("block_hashes", "_finalizer", "__weakref__")
+
+    def __init__(self, store: "TieredStore", block_hashes: Sequence[BlockHash]) -> None:
+        self.block_hashes = tuple(block_hashes)
+        store._pin(self.block_hashes)
+        self._finalizer = weakref.finalize(self, store._unpin, self.block_hashes)
+
+    def release(self) -> None:
+        """Unpin; calling it again does nothing."""
+        self._finalizer()
+
+    @property
+    def released(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@dataclass(slots=True)
+class LookupResult:
+    """Longest cached prefix of a block hash chain.
+
+    Attributes:
+        num_hit_blocks: leading blocks present in some tier.
+        media: the fastest medium holding each hit block, ``[num_hit_blocks]``.
+        lease: pins on the hit blocks when looked up with ``pin=True``, else ``None``.
+    """
+
+    num_hit_blocks: int
+    media: list[Medium]
+    lease: Lease | None = None
+
+
+@dataclass(slots=True)
+class LoadResult:
+    """Blocks brought into the top pool (the GPU pool, or the CPU slab when there is none).
+
+    Attributes:
+        block_ids: slots in ``store.top.tensor`` holding blocks ``0..len(block_ids)-1`` of the
+            request, in order; may be shorter than asked (a miss, a corrupt DISK record, or no
+            evictable slot ends the prefix).
+        sources: the medium each block came from (``GPU`` when it was already there).
+        lease: pins on those blocks; release it once they are copied out.
+    """
+
+    block_ids: list[int]
+    sources: list[Medium]
+    lease: Lease
+
+
+@dataclass(slots=True)
+class StoreHandle:
+    """Slots reserved by :meth:`TieredStore.prepare_store`.
+
+    Attributes:
+        block_hashes: the new blocks to write, in request order.
+        block_ids: their slots in ``store.top.tensor`` (write ``tensor[block_ids[i]]``).
+        indices: position of each new block in the ``block_hashes`` passed to prepare_store.
+        num_blocks: leading blocks of the request that are (or will be) stored.
+    """
+
+    block_hashes: list[BlockHash]
+    block_ids: list[int]
+    indices: list[int]
+    num_blocks: int
+    lease: Lease
+
+
+@dataclass
+class StoreStats:
+    """Event counters (each event counted once); rates are left to the reader."""
+
+    lookup_blocks: int = 0
+    hit_blocks: Counter = field(default_factory=Counter)  # by medium
+    stored_blocks: Counter = field(default_factory=Counter)  # by medium
+    evicted_blocks: Counter = field(default_factory=Counter)  # by medium
+    spilled_blocks: Counter = field(default_factory=Counter)  # by destination medium
+    load_failures: Counter = field(default_factory=Counter)  # by reason
+    store_failures: Counter = field(default_factory=Counter)  # by reason (DISK full, I/O error)
+    loaded_blocks: Counter = field(default_factory=Counter)  # by source medium

@@ -1,0 +1,164 @@
+"""Transfer handlers: pool<->pool copies (CUDA side streams) and DISK I/O (a thread pool).
+
+GPU<->CPU ordering on CUDA (cases G1, G2):
+- a job first makes its side stream wait for the submitting thread's current (compute)
+  stream, so a store copies bytes only after the kernels that produced them, and a load
+  overwrites a slot only after the kernels reading its old occupant;
+- it records one event per layer (per-layer jobs) or one at the end; the consumer makes its
+  compute stream wait on that event (no host sync), and the store frees or reuses the source
+  slots (pinned host memory used as staging) only once the job is reported done, i.e. after
+  its event completed.
+On a machine without CUDA the same code runs the copies synchronously.
+
+DISK reads go straight into preallocated pool slots (``DiskTier.read_into``: one copy from
+LMDB's memory map, no intermediate ``bytes``); writes are one LMDB write transaction per job.
+LMDB's MVCC makes a concurrent read of a block being rewritten see the whole old or new
+record, or a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from kvtier.tiers.disk import DiskTier, ReadStatus
+from kvtier.tiers.pool import BlockPool
+from kvtier.transfer.engine import Completed, JobResult, Pending, TransferHandler, TransferJob, failed
+
+logger = logging.getLogger(__name__)
+
+
+class _EventPending(Pending):
+    """A CUDA job: done when its last event completed."""
+
+    def __init__(self, result: JobResult, events: list, started: float) -> None:
+        self._result, self.events, self._started = result, events, started
+
+    def done(self) -> bool:
+        return self.events[-1].query()
+
+    def result(self, timeout: float | None = None) -> JobResult:
+        self.events[-1].synchronize()
+        self._result.seconds = time.perf_counter() - self._started
+        return self._result
+
+
+class _FuturePending(Pending):
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> JobResult:
+        return self._future.result(timeout)
+
+
+class PoolCopyHandler(TransferHandler):
+    """Copies whole blocks ``src.tensor[src_ids[i]] -> dst.tensor[dst_ids[i]]``.
+
+    Args:
+        src, dst: the pools (``[num_blocks, num_layers, 2, block_size, num_kv_heads,
+            head_dim]`` each, same spec).
+        per_layer: copy layer by layer and record one event per layer (``Pending.events``),
+            so a consumer can start on layer ``l`` once it is in (CUDA only).
+    """
+
+    def __init__(self, src: BlockPool, dst: BlockPool, per_layer: bool = False) -> None:
+        self.src, self.dst, self.per_layer = src, dst, per_layer
+        cuda = [t.device for t in (src.tensor, dst.tensor) if t.device.type == "cuda"]
+        self.device = cuda[0] if cuda else None
+        self.stream = torch.cuda.Stream(self.device) if self.device is not None else None
+
+    def start(self, job: TransferJob) -> Pending:
+        started = time.perf_counter()
+        assert job.src_ids is not None and job.dst_ids is not None
+        pairs = list(zip(job.src_ids, job.dst_ids))
+        nbytes = len(pairs) * self.src.spec.block_nbytes
+        result = JobResult(job.job_id, [True] * len(pairs), nbytes=nbytes)
+        if self.stream is None:
+            for s, d, n in slot_runs(pairs):
+                self.dst.tensor[d : d + n].copy_(self.src.tensor[s : s + n])
+            result.seconds = time.perf_counter() - started
+            return Completed(result)
+        events = []
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after the compute (G1)
+        with torch.cuda.stream(self.stream):
+            runs = slot_runs(pairs)
+            if self.per_layer:
+                for layer in range(self.src.spec.num_layers):
+                    for s, d, n in runs:
+                        self.dst.tensor[d : d + n, layer].copy_(self.src.tensor[s : s + n, layer], non_blocking=True)
+                    events.append(torch.cuda.Event())
+                    events[-1].record(self.stream)
+            else:
+                for s, d, n in runs:
+                    self.dst.tensor[d : d + n].copy_(self.src.tensor[s : s + n], non_blocking=True)
+                events.append(torch.cuda.Event())
+                events[-1].record(self.stream)
+        return _EventPending(result, events, started)
+
+
+class DiskHandler(TransferHandler):
+    """DISK <-> a host-memory pool, on ``num_threads`` I/O threads.
+
+    Args:
+        disk: the DISK tier.
+        pool: a pool whose tensor is in host memory (the CPU slab, or the top pool on a
+            machine without CUDA).
+        namespace: written into records and checked on reads.
+        executor: the shared I/O thread pool.
+    """
+
+    def __init__(self, disk: DiskTier, pool: BlockPool, namespace: bytes, executor: ThreadPoolExecutor) -> None:
+        assert pool.tensor.device.type == "cpu", "DISK I/O needs a host-memory pool"
+        self.disk, self.pool, self.namespace, self.executor = disk, pool, namespace, executor
+
+    def start(self, job: TransferJob) -> Pending:
+        started = time.perf_counter()
+        run = self._read if job.dst_ids is not None else self._write
+        return _FuturePending(self.executor.submit(self._guarded, run, job, started))
+
+    def _guarded(self, run, job: TransferJob, started: float) -> JobResult:
+        try:
+            result = run(job)
+        except Exception as exc:  # an I/O thread never raises into the engine's caller
+            logger.exception("DISK job %d failed: %s", job.job_id, exc)
+            result = failed(job, "error", started)
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def _read(self, job: TransferJob) -> JobResult:
+        ok: list[bool] = []
+        reasons: dict[int, str] = {}
+        for i, (h, slot) in enumerate(zip(job.block_hashes, job.dst_ids)):
+            try:
+                status = self.disk.read_into(h, self.namespace, self.pool.tensor[slot]).value
+            except Exception as exc:  # one bad read fails one block, not the job
+                logger.warning("DISK read of block %s failed: %s", h.hex()[:16], exc)
+                status = "error"
+            ok.append(status == ReadStatus.OK.value)
+            if not ok[-1]:
+                reasons[i] = status
+        nbytes = sum(ok) * self.pool.spec.block_nbytes
+        return JobResult(job.job_id, ok, reasons, nbytes)
+
+    def _write(self, job: TransferJob) -> JobResult:
+        puts = [(h, self.namespace, self.pool.tensor[s]) for h, s in zip(job.block_hashes, job.src_ids)]
+        ok = self.disk.write_batch(puts, deletes=job.evict)
+        reasons = {i: "full" for i, good in enumerate(ok) if not good}
+        return JobResult(job.job_id, ok, reasons, sum(ok) * self.pool.spec.block_nbytes)
+
+
+def slot_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(src, dst, length)`` runs where both slot ids advance by one: one copy each."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs

@@ -1,0 +1,104 @@
+"""Prefetch through the store: DISK reads on I/O threads, failures as misses, pins, slots."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from kvtier.tiers.disk import DiskTier, ReadStatus
+from kvtier.types import Medium
+from tests.conftest import chain, random_blocks
+
+
+def to_disk_only(make_store, n, seed=0, **kwargs):
+    """A store whose ``n`` blocks are only on DISK (stored, closed, reopened)."""
+    first = make_store(gpu_blocks=max(4, n), disk_blocks=4 * n)
+    hashes = chain(n, first.spec, first.namespace)
+    blocks = random_blocks(first.spec, n, seed=seed)
+    first.store(hashes, blocks)
+    first.close()
+    return make_store(gpu_blocks=max(4, n), disk_blocks=4 * n, **kwargs), hashes, blocks
+
+
+def test_prefetch_returns_at_once_and_wait_gives_the_blocks(make_store):
+    store, hashes, blocks = to_disk_only(make_store, 8, num_io_threads=3)
+    handle = store.prefetch(hashes)
+    assert handle.num_blocks == 8
+    assert len(handle.read_jobs) == 3  # split over the I/O threads
+    # while in flight: pinned, invisible in the top pool, still visible on DISK
+    assert all(store.ref_cnt(h) == 1 for h in hashes)
+    result = handle.wait()
+    assert handle.wait() is result  # idempotent
+    assert result.sources == [Medium.DISK] * 8
+    with result.lease:
+        out = store.top.tensor[torch.tensor(result.block_ids)]
+        assert torch.equal(out, blocks)
+    assert all(store.medium_of(h) is Medium.GPU for h in hashes)
+    store.check_invariants()
+
+
+def test_a_failed_read_is_a_miss_for_it_and_after(make_store, monkeypatch):
+    store, hashes, blocks = to_disk_only(make_store, 6)
+    real = DiskTier.read_into
+
+    def flaky(self, h, ns, out):
+        if h == hashes[3]:
+            raise OSError("EIO")
+        return real(self, h, ns, out)
+
+    monkeypatch.setattr(DiskTier, "read_into", flaky)
+    result = store.load(hashes)
+    result.lease.release()
+    assert len(result.block_ids) == 3
+    assert store.stats.load_failures["error"] == 1
+    assert store.medium_of(hashes[3]) is Medium.DISK  # an I/O error does not drop the record
+    assert [store.medium_of(h) for h in hashes[4:]] == [Medium.GPU, Medium.GPU]  # arrived: kept
+    assert all(store.ref_cnt(h) == 0 for h in hashes)
+    store.check_invariants()
+
+
+def test_corrupt_read_drops_the_record_and_counts_once(make_store, monkeypatch):
+    store, hashes, _ = to_disk_only(make_store, 4)
+    monkeypatch.setattr(DiskTier, "read_into", lambda self, h, ns, out: ReadStatus.CORRUPT if h == hashes[1] else ReadStatus.OK)
+    result = store.load(hashes)
+    result.lease.release()
+    assert len(result.block_ids) == 1
+    assert store.stats.load_failures == {"corrupt": 1}
+    assert store.medium_of(hashes[1]) is None
+    store.check_invariants()
+
+
+def test_unwaited_prefetch_releases_pins_when_dropped(make_store):
+    store, hashes, _ = to_disk_only(make_store, 4)
+    handle = store.prefetch(hashes)
+    handle.wait().lease.release()
+    del handle
+    assert all(store.ref_cnt(h) == 0 for h in hashes)
+
+
+def test_concurrent_prefetch_and_store_from_threads_stay_consistent(make_store):
+    store = make_store(gpu_blocks=16, cpu_blocks=8, disk_blocks=64)
+    spec = store.spec
+    requests = [chain(4, spec, store.namespace, start=1000 * r) for r in range(12)]
+    data = [random_blocks(spec, 4, seed=r) for r in range(12)]
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        try:
+            for r in range(k, 12, 3):
+                store.store(requests[r], data[r])
+                result = store.load(requests[r])
+                with result.lease:
+                    got = store.top.tensor[torch.tensor(result.block_ids, dtype=torch.long)]
+                    assert torch.equal(got, data[r][: len(result.block_ids)])
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    store.check_invariants()
