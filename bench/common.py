@@ -199,3 +199,30 @@ def write_json(path: str | Path, name: str, rows: Sequence[Row]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"bench": name, "rows": [r.to_json() for r in rows]}, indent=2) + "\n")
+
+
+# -- raw-file baselines ------------------------------------------------------------------------
+def _bytes_view(t: "torch.Tensor") -> memoryview:
+    import torch
+
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def raw_write(path: Path, blocks: "torch.Tensor", chunk: int) -> None:
+    """Sequential write of ``blocks`` to ``path``, overwriting in place (no truncate, no fsync)."""
+    with open(path, "r+b" if path.exists() else "wb", buffering=0) as f:
+        for i in range(0, blocks.shape[0], chunk):
+            view = _bytes_view(blocks[i : i + chunk])
+            while view:
+                view = view[f.write(view) :]
+
+
+def raw_read(path: Path, out: "torch.Tensor", chunk: int) -> None:
+    """Sequential ``readinto`` of ``path`` into the preallocated ``out``."""
+    with open(path, "rb", buffering=0) as f:
+        for i in range(0, out.shape[0], chunk):
+            view = _bytes_view(out[i : i + chunk])
+            while view:
+                n = f.readinto(view)
+                assert n, "raw file shorter than expected"
+                view = view[n:]

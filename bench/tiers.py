@@ -45,7 +45,7 @@ if __package__ in (None, ""):  # run as a script (python bench/tiers.py): make `
 
 import torch  # noqa: E402
 
-from bench.common import Case, Row, Stat, apply_threads, arg_parser, measure, print_table, write_json  # noqa: E402
+from bench.common import Case, Row, raw_read, raw_write, Stat, apply_threads, arg_parser, measure, print_table, write_json  # noqa: E402
 from kvtier.config import StoreConfig, parse_bytes  # noqa: E402
 from kvtier.hashing import KeyContext  # noqa: E402
 from kvtier.store import TieredStore  # noqa: E402
@@ -189,28 +189,6 @@ def gather(pool: torch.Tensor, block_ids: list[int], out: torch.Tensor) -> None:
             start = k
 
 
-def _bytes_view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
-
-
-def raw_write(path: Path, blocks: torch.Tensor, chunk: int) -> None:
-    """Sequential write of ``blocks`` to ``path``, overwriting in place (no truncate, no fsync)."""
-    with open(path, "r+b" if path.exists() else "wb", buffering=0) as f:
-        for i in range(0, blocks.shape[0], chunk):
-            view = _bytes_view(blocks[i : i + chunk])
-            while view:
-                view = view[f.write(view) :]
-
-
-def raw_read(path: Path, out: torch.Tensor, chunk: int) -> None:
-    """Sequential ``readinto`` of ``path`` into the preallocated ``out``."""
-    with open(path, "rb", buffering=0) as f:
-        for i in range(0, out.shape[0], chunk):
-            view = _bytes_view(out[i : i + chunk])
-            while view:
-                n = f.readinto(view)
-                assert n, "raw file shorter than expected"
-                view = view[n:]
 
 
 # -- sections --------------------------------------------------------------------------------

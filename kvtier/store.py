@@ -55,6 +55,10 @@ from kvtier.types import BlockHash, KVSpec, Medium
 
 logger = logging.getLogger(__name__)
 
+_DISK_TXN_BYTES = 64 << 20
+"""Blocks per LMDB write transaction when spilling: one transaction per ~64 MiB. Far larger
+transactions make LMDB spill its own dirty-page list (about 512 MiB of pages) and slow down."""
+
 __all__ = ["Lease", "LoadResult", "LookupResult", "PrefetchHandle", "StoreHandle", "StoreStats", "TieredStore"]
 
 
@@ -419,7 +423,8 @@ class TieredStore:
         return (victims, size) if free >= need else None
 
     def _spill_to_disk(self, pool: BlockPool, block_hashes: list[BlockHash]) -> None:
-        """Write blocks of ``pool`` to DISK in one LMDB transaction (evicting DISK victims)."""
+        """Write blocks of ``pool`` to DISK, batched into LMDB transactions of ~64 MiB
+        (evicting DISK victims in the first)."""
         if not block_hashes or self.disk is None:
             return
         room = self._disk_room(len(block_hashes))
@@ -429,13 +434,15 @@ class TieredStore:
         if not block_hashes:
             return
         victims, _ = room
-        puts = []
-        for h in block_hashes:
-            block = pool.tensor[pool.block_id(h)]
-            puts.append((h, self.namespace, block if block.device.type == "cpu" else block.cpu()))
-        ok = self.disk.write_batch(puts, deletes=victims)
+        batch = max(1, _DISK_TXN_BYTES // self.spec.block_nbytes)
+        for start in range(0, len(block_hashes), batch):
+            puts = []
+            for h in block_hashes[start : start + batch]:
+                block = pool.tensor[pool.block_id(h)]
+                puts.append((h, self.namespace, block if block.device.type == "cpu" else block.cpu()))
+            ok = self.disk.write_batch(puts, deletes=victims if start == 0 else ())
+            self.stats.spilled_blocks[Medium.DISK] += sum(ok)
         self.stats.evicted_blocks[Medium.DISK] += len(victims)
-        self.stats.spilled_blocks[Medium.DISK] += sum(ok)
 
     def _write_through(self, block_hashes: list[BlockHash]) -> None:
         """Copy new blocks into every lower pool now; write them to DISK on an I/O thread."""

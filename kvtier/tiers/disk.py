@@ -49,6 +49,7 @@ HEADER_NBYTES = _HEADER.size + _CHECKSUM.size  # 96
 _DTYPE_CODES = {name: i + 1 for i, name in enumerate(sorted(DTYPE_NAMES.values()))}
 _DTYPE_BY_CODE = {code: name for name, code in _DTYPE_CODES.items()}
 _OVERFLOW_PAGE_HEADER = 16  # bytes LMDB reserves at the start of an overflow page run
+_CHUNK_NBYTES = 256 << 10  # copy+hash granularity: stays in L2 between the copy and the hash
 
 
 class ReadStatus(enum.Enum):
@@ -196,8 +197,8 @@ class DiskTier:
     # -- reads -----------------------------------------------------------------------------
     def read_into(self, block_hash: BlockHash, namespace: bytes, out: torch.Tensor) -> ReadStatus:
         """Copy the block's bytes into ``out`` (a contiguous CPU tensor of the block's shape
-        and dtype) after verifying the record; ``out`` is written only if the record is
-        whole. Thread-safe; changes no index state (the caller drops CORRUPT records with
+        and dtype) and verify it; on ``CORRUPT`` the content of ``out`` is unspecified (the
+        caller must not use it). Thread-safe; changes no index state (the caller drops CORRUPT records with
         :meth:`remove` and counts the use with :meth:`touch`)."""
         with self.env.begin(buffers=True) as txn:
             value = txn.get(block_hash)
@@ -255,18 +256,29 @@ def record_footprint(payload_nbytes: int, page_nbytes: int = 4096) -> int:
     return -(-total // page_nbytes) * page_nbytes
 
 
-def _encode_record(namespace: bytes, block: torch.Tensor, seq: int) -> bytes:
+def _encode_record(namespace: bytes, block: torch.Tensor, seq: int) -> np.ndarray:
+    """Header + checksum + payload in one new buffer: one copy of the block, hashed chunk by
+    chunk from the buffer while it is hot."""
     assert block.is_contiguous() and block.device.type == "cpu", "block must be contiguous on CPU"
     shape = list(block.shape)
     assert len(shape) <= 8 and len(namespace) == 32
-    payload = memoryview(block.view(torch.uint8).numpy()).cast("B") if block.numel() else b""
+    payload_nbytes = block.numel() * block.element_size()
     header = _HEADER.pack(
         _MAGIC, _VERSION, _DTYPE_CODES[DTYPE_NAMES[block.dtype]], len(shape),
-        *(shape + [0] * (8 - len(shape))), namespace, len(payload), seq,
+        *(shape + [0] * (8 - len(shape))), namespace, payload_nbytes, seq,
     )
+    record = np.empty(HEADER_NBYTES + payload_nbytes, dtype=np.uint8)
+    record[: _HEADER.size] = np.frombuffer(header, dtype=np.uint8)
     digest = xxhash.xxh3_64(header)
-    digest.update(payload)
-    return b"".join((header, _CHECKSUM.pack(digest.intdigest()), payload))
+    if payload_nbytes:
+        src = block.view(torch.uint8).numpy().reshape(-1)
+        dst = record[HEADER_NBYTES:]
+        for start in range(0, payload_nbytes, _CHUNK_NBYTES):
+            chunk = dst[start : start + _CHUNK_NBYTES]
+            np.copyto(chunk, src[start : start + _CHUNK_NBYTES])
+            digest.update(chunk)
+    record[_HEADER.size : HEADER_NBYTES] = np.frombuffer(_CHECKSUM.pack(digest.intdigest()), dtype=np.uint8)
+    return record
 
 
 def _parse_header(value: memoryview) -> tuple[int, int] | None:
@@ -295,12 +307,17 @@ def _decode_into(value: memoryview, namespace: bytes, out: torch.Tensor) -> Read
         or len(value) != HEADER_NBYTES + payload_nbytes
     ):
         return ReadStatus.CORRUPT
-    payload = value[HEADER_NBYTES:]
+    # Copy in cache-sized chunks and hash each chunk from the destination while it is hot:
+    # one pass over memory instead of two, and the check covers exactly the bytes delivered.
     digest = xxhash.xxh3_64(value[: _HEADER.size])
-    digest.update(payload)
     (stored,) = _CHECKSUM.unpack_from(value, _HEADER.size)
+    if payload_nbytes:
+        src = np.frombuffer(value, dtype=np.uint8, offset=HEADER_NBYTES)
+        dst = out.view(torch.uint8).numpy().reshape(-1)
+        for start in range(0, payload_nbytes, _CHUNK_NBYTES):
+            chunk = dst[start : start + _CHUNK_NBYTES]
+            np.copyto(chunk, src[start : start + _CHUNK_NBYTES])
+            digest.update(chunk)
     if digest.intdigest() != stored:
         return ReadStatus.CORRUPT
-    if payload_nbytes:
-        np.copyto(out.view(torch.uint8).numpy().reshape(-1), np.frombuffer(payload, dtype=np.uint8))
     return ReadStatus.OK

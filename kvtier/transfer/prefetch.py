@@ -54,6 +54,8 @@ class PrefetchHandle:
     lease: Lease
     read_jobs: dict[int, list[int]] = field(default_factory=dict)  # job id -> block indices
     copy_jobs: dict[int, list[int]] = field(default_factory=dict)
+    read_seconds: float = 0.0
+    """Submit-to-done time of the slowest DISK read job (set once the reads are waited)."""
     _result: LoadResult | None = None
     _staged: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -101,7 +103,9 @@ class PrefetchHandle:
             return
         self._staged = True
         store = self.store
-        self._apply(store.engine.wait(self.read_jobs), self.read_jobs)
+        reads = store.engine.wait(self.read_jobs)
+        self.read_seconds = max((r.seconds for r in reads.values()), default=0.0)
+        self._apply(reads, self.read_jobs)
         staged = [i for i, b in enumerate(self.blocks) if b.staging_id is not None and b.ok]
         if staged:
             cpu, top = store.pool(Medium.CPU), store.top
