@@ -31,10 +31,14 @@ import threading
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import lmdb
 import numpy as np
 import torch
 import xxhash
+
+try:
+    import lmdb
+except ImportError:  # only the DISK tier needs it; GPU/CPU tiers run without
+    lmdb = None  # type: ignore[assignment]
 
 from kvtier.tiers.lru import SegmentedLRU
 from kvtier.types import DTYPE_NAMES, BlockHash, Medium
@@ -67,12 +71,15 @@ class DiskTier:
 
     Raises:
         ValueError: ``capacity_bytes`` < one page.
+        ImportError: the ``lmdb`` package is not installed.
         lmdb.Error: the directory cannot be opened (permissions, not an LMDB environment).
     """
 
     medium = Medium.DISK
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int) -> None:
+        if lmdb is None:
+            raise ImportError("the DISK tier needs the lmdb package: pip install lmdb (or set disk_bytes=0)")
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         # Slack for B-tree pages and pages freed by transactions still visible to a reader.
