@@ -174,6 +174,7 @@ class TieredStore:
             self._check_open()
             self._reap()
             top = self.top
+            present = Lease(self, [h for h in block_hashes if h in top])  # not evicted by make_room
             self._make_room(0, sum(1 for h in block_hashes if h not in top))
             new_hashes: list[BlockHash] = []
             block_ids: list[int] = []
@@ -191,7 +192,9 @@ class TieredStore:
                     block_ids.append(block_id)
                     indices.append(i)
                 chain.append(h)
-            return StoreHandle(new_hashes, block_ids, indices, len(chain), Lease(self, chain))
+            handle = StoreHandle(new_hashes, block_ids, indices, len(chain), Lease(self, chain))
+            present.release()
+            return handle
 
     def complete_store(self, handle: StoreHandle, success: bool = True) -> None:
         """Publish the written blocks (or free their slots when ``success`` is False)."""
@@ -263,6 +266,11 @@ class TieredStore:
         return stored
 
     # -- lifecycle ---------------------------------------------------------------------------
+    def wait_for_writes(self) -> None:
+        """Block until background (write-through) DISK writes are done and released."""
+        with self._lock:
+            self._reap(wait=True)
+
     def flush(self) -> None:
         """Write every block held only in memory down to DISK (oldest first), then fsync."""
         with self._lock:

@@ -106,8 +106,12 @@ def test_write_through_puts_every_block_on_every_tier(make_store, namespace):
     store = make_store(gpu_blocks=2, cpu_blocks=4, disk_blocks=4, write_policy="write_through")
     hashes = chain(2, store.spec, namespace)
     store.store(hashes, random_blocks(store.spec, 2))
+    for h in hashes:  # memory copies are made at once; the DISK write is a background job
+        assert h in store.pools[0] and h in store.pools[1]
+        assert all(store.ref_cnt(h) in (0, 1) for h in hashes)
+    store.wait_for_writes()
     for h in hashes:
-        assert h in store.pools[0] and h in store.pools[1] and h in store.disk
+        assert h in store.disk and store.ref_cnt(h) == 0
 
 
 def test_persistence_across_close_and_reopen(make_store, namespace, tmp_path):
@@ -246,3 +250,18 @@ def test_bad_blocks_raise_value_error(make_store, namespace):
     with pytest.raises(ValueError, match="dtype"):
         store.store(hashes, random_blocks(store.spec, 1).half())
     assert store.lookup(hashes).num_hit_blocks == 0
+
+
+def test_store_does_not_evict_its_own_present_blocks_to_make_room(make_store, namespace):
+    """Re-storing a request whose head is cached: making room for its new tail must not evict
+    the head (it would then need a slot itself and the request would be cut short)."""
+    store = make_store(gpu_blocks=4)
+    spec = store.spec
+    hashes = chain(4, spec, namespace)
+    blocks = random_blocks(spec, 4)
+    store.store(hashes[:2], blocks[:2])
+    store.store(chain(2, spec, namespace, start=700), random_blocks(spec, 2, seed=1))
+    # the pool is full; the request's two cached blocks are the least recently used
+    assert store.store(hashes, blocks) == 4
+    assert all(store.medium_of(h) is Medium.GPU for h in hashes)
+    store.check_invariants()
