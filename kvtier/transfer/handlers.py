@@ -1,6 +1,7 @@
 """Transfer handlers: pool<->pool copies (CUDA side streams) and DISK I/O (a thread pool).
 
-GPU<->CPU ordering on CUDA (cases G1, G2):
+GPU<->CPU ordering on CUDA (cases G1, G2). Submit jobs from the thread that runs the model:
+the side stream is ordered after *that thread's* current stream.
 - a job first makes its side stream wait for the submitting thread's current (compute)
   stream, so a store copies bytes only after the kernels that produced them, and a load
   overwrites a slot only after the kernels reading its old occupant;
@@ -87,15 +88,16 @@ class PoolCopyHandler(TransferHandler):
         events = []
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after the compute (G1)
         with torch.cuda.stream(self.stream):
-            runs = slot_runs(pairs)
             if self.per_layer:
+                # One block's layer is one contiguous slab: a strided multi-block slice would
+                # make copy_ stage it through pageable memory (a blocking copy).
                 for layer in range(self.src.spec.num_layers):
-                    for s, d, n in runs:
-                        self.dst.tensor[d : d + n, layer].copy_(self.src.tensor[s : s + n, layer], non_blocking=True)
+                    for s, d in pairs:
+                        self.dst.tensor[d, layer].copy_(self.src.tensor[s, layer], non_blocking=True)
                     events.append(torch.cuda.Event())
                     events[-1].record(self.stream)
             else:
-                for s, d, n in runs:
+                for s, d, n in slot_runs(pairs):
                     self.dst.tensor[d : d + n].copy_(self.src.tensor[s : s + n], non_blocking=True)
                 events.append(torch.cuda.Event())
                 events[-1].record(self.stream)

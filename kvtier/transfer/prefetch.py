@@ -94,8 +94,9 @@ class PrefetchHandle:
             return
         import torch
 
+        stream = torch.cuda.current_stream(self.store.top.tensor.device)
         for events in per_layer:
-            torch.cuda.current_stream().wait_event(events[layer])
+            stream.wait_event(events[layer])
 
     def _stage(self) -> None:
         """Wait for the DISK reads, then send blocks staged in the CPU slab on to the GPU."""
