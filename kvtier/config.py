@@ -79,8 +79,8 @@ class StoreConfig:
         if self.write_policy not in get_args(WritePolicy):
             raise ValueError(f"expected write_policy in {get_args(WritePolicy)}, got {self.write_policy!r}")
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
-        if self.gpu_bytes == 0 and self.cpu_bytes == 0 and self.disk_bytes == 0:
-            raise ValueError("expected at least one tier with capacity > 0, got all zero")
+        if self.gpu_bytes == 0 and self.cpu_bytes == 0:
+            raise ValueError("expected gpu_bytes or cpu_bytes > 0 (loads land in a memory pool), got both 0")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "StoreConfig":
@@ -108,7 +108,12 @@ def _coerce(name: str, raw: str) -> Any:
         except ValueError:
             raise ValueError(f"expected an int for {ENV_PREFIX}{name.upper()}, got {raw!r}") from None
     if name == "flush_on_close":
-        return raw.strip().lower() in ("1", "true", "yes", "on")
+        value = raw.strip().lower()
+        if value in ("1", "true", "yes", "on"):
+            return True
+        if value in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"expected {ENV_PREFIX}FLUSH_ON_CLOSE to be true/false, got {raw!r}")
     return raw
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from kvtier.types import BlockHash, Medium
 
@@ -21,7 +21,9 @@ class Lease:
     def __init__(self, store: "TieredStore", block_hashes: Sequence[BlockHash]) -> None:
         self.block_hashes = tuple(block_hashes)
         store._pin(self.block_hashes)
-        self._finalizer = weakref.finalize(self, store._unpin, self.block_hashes)
+        # Runs on release() or when the lease is collected, possibly on another thread in the
+        # middle of a GC pass: it must never wait for the store's lock (see _release_pins).
+        self._finalizer = weakref.finalize(self, store._release_pins, self.block_hashes)
 
     def release(self) -> None:
         """Unpin; calling it again does nothing."""
@@ -70,7 +72,7 @@ class LoadResult:
     lease: Lease
 
 
-@dataclass(slots=True)
+@dataclass
 class StoreHandle:
     """Slots reserved by :meth:`TieredStore.prepare_store`.
 
@@ -86,6 +88,8 @@ class StoreHandle:
     indices: list[int]
     num_blocks: int
     lease: Lease
+    abandon: Any = None
+    """Finalizer that frees the slots if the handle is dropped without ``complete_store``."""
 
 
 @dataclass

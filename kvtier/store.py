@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
+import weakref
+from collections import Counter, deque
+from functools import partial
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
@@ -79,8 +81,8 @@ class TieredStore:
     def __init__(
         self, spec: KVSpec, config: StoreConfig, namespace: bytes, device: torch.device | str | None = None
     ) -> None:
-        if len(namespace) != 32:
-            raise ValueError(f"expected a 32-byte namespace, got {len(namespace)} bytes")
+        if not isinstance(namespace, bytes) or len(namespace) != 32:
+            raise ValueError(f"expected a 32-byte namespace (bytes), got {type(namespace).__name__} of length {len(namespace)}")
         if spec.block_size != config.block_size:
             raise ValueError(f"expected spec.block_size == config.block_size, got {spec.block_size}, {config.block_size}")
         self.spec, self.config, self.namespace = spec, config, namespace
@@ -97,6 +99,9 @@ class TieredStore:
         self._pending: set[tuple[Medium, BlockHash]] = set()
         self._background: dict[int, Lease] = {}  # write-through DISK jobs -> pins on their sources
         self._lock = threading.RLock()
+        # Cleanups that arrived while another thread held the lock (GC finalizers of leases
+        # and abandoned handles); run under the lock at the start of the next operation.
+        self._deferred: deque = deque()
         self._closed = False
         self._executor = ThreadPoolExecutor(config.num_io_threads, thread_name_prefix="kvtier-io")
         self.engine = TransferEngine()
@@ -136,6 +141,7 @@ class TieredStore:
 
     def lookup(self, block_hashes: Sequence[BlockHash], pin: bool = False) -> LookupResult:
         """Longest prefix of ``block_hashes`` present in any tier. Touches no LRU order."""
+        self._check_hashes(block_hashes)
         with self._lock:
             self._check_open()
             media: list[Medium] = []
@@ -153,6 +159,7 @@ class TieredStore:
     def prefetch(self, block_hashes: Sequence[BlockHash]) -> PrefetchHandle:
         """Pin the cached prefix of ``block_hashes`` and start bringing it into the top pool.
         Returns at once; ``handle.wait()`` gives the :class:`LoadResult`."""
+        self._check_hashes(block_hashes)
         with self._lock:
             self._check_open()
             self._reap()
@@ -170,6 +177,7 @@ class TieredStore:
         Stops at the first block that gets no slot (every candidate victim pinned) or that
         another request is writing: blocks after a gap could never be hit through the chain.
         """
+        self._check_hashes(block_hashes)
         with self._lock:
             self._check_open()
             self._reap()
@@ -193,6 +201,7 @@ class TieredStore:
                     indices.append(i)
                 chain.append(h)
             handle = StoreHandle(new_hashes, block_ids, indices, len(chain), Lease(self, chain))
+            handle.abandon = weakref.finalize(handle, self._defer_or_run, partial(self._free_pending, top, new_hashes))
             present.release()
             return handle
 
@@ -200,6 +209,8 @@ class TieredStore:
         """Publish the written blocks (or free their slots when ``success`` is False)."""
         with self._lock:
             top = self.top
+            if handle.abandon is not None:
+                handle.abandon.detach()
             for h in handle.block_hashes:
                 self._pending.discard((top.medium, h))
                 if not success:
@@ -260,10 +271,12 @@ class TieredStore:
             new.update(handle.block_hashes)
             if stored < min(start + chunk, len(block_hashes)):
                 break
-        if stored > chunk:  # re-order across chunks: the request's tail goes first
-            with self._lock:
+        with self._lock:
+            if stored > chunk:  # re-order across chunks: the request's tail goes first
                 self._touch_tail_first(block_hashes[:stored], frozenset(new))
-        return stored
+            # A request larger than every tier evicts its own head: claim only what a lookup
+            # finds (case B2: never claim more than is stored).
+            return next((i for i, h in enumerate(block_hashes[:stored]) if self.medium_of(h) is None), stored)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def wait_for_writes(self) -> None:
@@ -312,11 +325,14 @@ class TieredStore:
         return {str(m): {"blocks": n, "used_bytes": u, "capacity_bytes": c} for m, n, u, c in tiers}
 
     def ref_cnt(self, block_hash: BlockHash) -> int:
-        return self._ref_cnt[block_hash]
+        with self._lock:
+            self._drain()
+            return self._ref_cnt[block_hash]
 
     def check_invariants(self) -> None:
         """For tests: pools and DISK agree with their indexes, caps hold, pins are sane."""
         with self._lock:
+            self._drain()
             self._reap(wait=True)
             for pool in self.pools:
                 pool.check()
@@ -330,6 +346,36 @@ class TieredStore:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("store is closed")
+        self._drain()
+
+    def _drain(self) -> None:
+        """Run deferred cleanups (the caller holds the lock)."""
+        while self._deferred:
+            self._deferred.popleft()()
+
+    def _release_pins(self, block_hashes: Sequence[BlockHash]) -> None:
+        """Unpin now if the lock is free (or ours), else defer: a lease collected by a GC pass
+        on an I/O thread while the main thread holds the lock and waits for that thread must
+        not wait for the lock (a deadlock)."""
+        self._defer_or_run(partial(self._unpin, block_hashes))
+
+    def _defer_or_run(self, cleanup) -> None:
+        if self._lock.acquire(blocking=False):
+            try:
+                cleanup()
+            finally:
+                self._lock.release()
+        else:
+            self._deferred.append(cleanup)
+
+    @staticmethod
+    def _check_hashes(block_hashes: Sequence[BlockHash]) -> None:
+        """Block hashes are ``bytes`` of 1..511 bytes (LMDB's key limit); anything else would
+        poison the index and fail later inside other requests' spills."""
+        for h in block_hashes:
+            if not isinstance(h, bytes) or not 0 < len(h) <= 511:
+                got = f"{type(h).__name__} of length {len(h)}" if hasattr(h, "__len__") else type(h).__name__
+                raise ValueError(f"expected block hashes as bytes of 1..511 bytes, got {got}")
 
     def _check_block_tensor(self, blocks: torch.Tensor, n: int) -> None:
         expected = (n, *self.spec.block_shape)
@@ -354,6 +400,13 @@ class TieredStore:
                 else:
                     del self._ref_cnt[h]
 
+    def _free_pending(self, pool: BlockPool, block_hashes: Sequence[BlockHash]) -> None:
+        """Free slots reserved for a transfer or store that will never complete."""
+        for h in block_hashes:
+            if (pool.medium, h) in self._pending:
+                self._pending.discard((pool.medium, h))
+                pool.free(h)
+
     def _evictable(self, medium: Medium, block_hash: BlockHash) -> bool:
         return block_hash not in self._ref_cnt and (medium, block_hash) not in self._pending
 
@@ -370,6 +423,7 @@ class TieredStore:
     def _make_room(self, index: int, num_blocks: int) -> None:
         """Evict from ``pools[index]`` until ``num_blocks`` slots are free (or nothing more
         is evictable); victims spill down in one batch."""
+        self._drain()
         pool = self.pools[index]
         missing = num_blocks - pool.num_free
         if missing <= 0:

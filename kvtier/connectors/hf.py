@@ -33,6 +33,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from kvtier.config import StoreConfig
@@ -60,19 +61,30 @@ def kv_spec_for(model: torch.nn.Module, block_size: int) -> KVSpec:
     return KVSpec(cfg.num_hidden_layers, num_kv_heads, head_dim, block_size, model.dtype)
 
 
-def weights_fingerprint(model: torch.nn.Module, samples_per_tensor: int = 64) -> str:
-    """Cheap digest of the weights (names, shapes, dtypes and a strided sample of every
-    tensor's values): two checkpoints of one architecture get different namespaces without
-    hashing gigabytes. Pass ``model_revision`` explicitly to key on a published revision."""
-    digest = hashlib.sha256()
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """Digest of everything in the model that changes its K/V: every weight's bytes (xxh3-128,
+    one pass: ~0.1 s per GB on the CPU) and the model config (a RoPE scaling or theta change
+    alters K with the same weights). Pass ``model_revision`` explicitly to skip the pass and
+    key on a published revision instead.
+
+    Raises:
+        ValueError: the config cannot be serialised.
+    """
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    config = getattr(model, "config", None)
+    if config is not None:
+        digest.update(config.to_json_string(use_diff=False).encode())
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
-            flat = tensor.detach().reshape(-1)
-            step = max(1, flat.numel() // samples_per_tensor)
-            sample = flat[::step][:samples_per_tensor].to("cpu", torch.float32).contiguous()
             digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
-            digest.update(sample.numpy().tobytes())
-    return digest.hexdigest()[:32]
+            flat = tensor.detach().reshape(-1)
+            step = max(1, (64 << 20) // max(1, flat.element_size()))  # 64 MiB at a time
+            for start in range(0, flat.numel(), step):
+                chunk = flat[start : start + step].to("cpu").contiguous()
+                digest.update(chunk.view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 @dataclass
@@ -81,10 +93,12 @@ class PrefetchTicket:
 
     block_hashes: list[BlockHash]
     handle: PrefetchHandle
+    used: bool = False
 
     def cancel(self) -> None:
         """Give the pins back (the request went away)."""
         self.handle.wait().lease.release()
+        self.used = True
 
 
 @dataclass
@@ -204,10 +218,15 @@ class HFConnector:
         """
         tokens = _prompt_tokens(input_ids)
         block_hashes = self.block_hashes(tokens)
-        if ticket is None or ticket.block_hashes != block_hashes:
-            if ticket is not None:
-                ticket.cancel()
-            ticket = self.prefetch(tokens)
+        if ticket is None or ticket.used or ticket.block_hashes != block_hashes:
+            if ticket is not None and not ticket.used:
+                ticket.cancel()  # for another prompt
+            ticket = self.prefetch(tokens)  # a ticket serves one prefill: its lease is gone after
+        ticket.used = True
+        with torch.no_grad():
+            return self._load_into_cache(ticket, block_hashes)
+
+    def _load_into_cache(self, ticket: PrefetchTicket, block_hashes: list[BlockHash]) -> PrefillPlan:
         handle = ticket.handle
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
@@ -241,19 +260,17 @@ class HFConnector:
         block_hashes = self.block_hashes(tokens[:num_tokens])
         if not block_hashes:
             return 0
-        handle = self.store.prepare_store(block_hashes)
-        ok = False
-        try:
-            runs = _consecutive_runs(handle.indices, handle.block_ids)
-            for first_index, block_ids in runs:
-                ids = torch.tensor(block_ids, dtype=torch.int64, device=self.store.top.tensor.device)
+        pool = self.store.top.tensor
+
+        def write(indices: list[int], block_ids: list[int]) -> None:
+            for first_index, ids in _consecutive_runs(indices, block_ids):
                 scatter_contiguous_to_blocks(
-                    keys, values, self.store.top.tensor, ids, start_token=first_index * self.block_size
+                    keys, values, pool, torch.tensor(ids, dtype=torch.int64, device=pool.device),
+                    start_token=first_index * self.block_size,
                 )
-            ok = True
-        finally:
-            self.store.complete_store(handle, success=ok)
-        return handle.num_blocks
+
+        with torch.no_grad():
+            return self.store.store_with(block_hashes, write)
 
     def close(self) -> None:
         self.store.close()
@@ -275,7 +292,10 @@ def _prompt_tokens(input_ids: torch.Tensor | Sequence[int]) -> list[int]:
 
 
 def _token_list(token_ids: torch.Tensor | Sequence[int]) -> list[int]:
+    """Token ids as Python ints. Raises ``ValueError`` for float/bool ids or a batch > 1."""
     if isinstance(token_ids, torch.Tensor):
+        if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
+            raise ValueError(f"expected integer token ids, got dtype {token_ids.dtype}")
         if token_ids.dim() == 2:
             if token_ids.shape[0] != 1:
                 raise ValueError(f"expected batch size 1, got input_ids of shape {tuple(token_ids.shape)}")
@@ -283,11 +303,21 @@ def _token_list(token_ids: torch.Tensor | Sequence[int]) -> list[int]:
         elif token_ids.dim() != 1:
             raise ValueError(f"expected [1, n] or [n] token ids, got shape {tuple(token_ids.shape)}")
         return token_ids.tolist()
-    return [int(t) for t in token_ids]
+    tokens = list(token_ids)
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise ValueError(f"expected integer token ids, got {type(t).__name__}")
+    return [int(t) for t in tokens]
 
 
 def _cache_layers(cache: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-layer ``[1, num_kv_heads, seq_len, head_dim]`` K and V of a transformers cache."""
+    """Per-layer ``[1, num_kv_heads, seq_len, head_dim]`` K and V of a transformers cache.
+
+    Raises:
+        TypeError: ``cache`` is not a transformers cache.
+    """
+    if not (hasattr(cache, "layers") or hasattr(cache, "key_cache")):
+        raise TypeError(f"expected a transformers Cache (e.g. DynamicCache), got {type(cache).__name__}")
     if hasattr(cache, "layers"):  # transformers >= 4.56
         layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
         return [layer.keys for layer in layers], [layer.values for layer in layers]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import os
 import struct
 import threading
@@ -41,7 +42,7 @@ except ImportError:  # only the DISK tier needs it; GPU/CPU tiers run without
     lmdb = None  # type: ignore[assignment]
 
 from kvtier.tiers.lru import SegmentedLRU
-from kvtier.types import DTYPE_NAMES, BlockHash, Medium
+from kvtier.types import DTYPE_NAMES, DTYPES_BY_NAME, BlockHash, Medium
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class DiskTier:
     Raises:
         ValueError: ``capacity_bytes`` < one page.
         ImportError: the ``lmdb`` package is not installed.
+        RuntimeError: another store has the directory open.
         lmdb.Error: the directory cannot be opened (permissions, not an LMDB environment).
     """
 
@@ -82,6 +84,7 @@ class DiskTier:
             raise ImportError("the DISK tier needs the lmdb package: pip install lmdb (or set disk_bytes=0)")
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
+        self._lock_file = _lock_directory(self.path)
         # Slack for B-tree pages and pages freed by transactions still visible to a reader.
         map_size = capacity_bytes + capacity_bytes // 4 + (64 << 20)
         self.env = lmdb.open(
@@ -162,6 +165,9 @@ class DiskTier:
 
     def _write_batch(self, puts, deletes, evicted) -> list[bool]:
         results: list[bool] = []
+        if puts and not self._filesystem_has_room(sum(b.numel() * b.element_size() for _, _, b in puts)):
+            logger.warning("DISK: filesystem of %s is full; %d blocks not written", self.path, len(puts))
+            return [False] * len(puts)
         try:
             with self.env.begin(write=True) as txn:
                 for h in deletes:
@@ -181,7 +187,7 @@ class DiskTier:
                     used += size
                     staged.append((h, size))
                     results.append(True)
-        except (lmdb.MapFullError, lmdb.DiskError, OSError) as exc:
+        except (lmdb.Error, OSError, struct.error) as exc:
             # Nothing of this transaction is visible; the index is unchanged.
             logger.warning("DISK write of %d blocks failed: %s", len(puts), exc)
             return [False] * len(puts)
@@ -191,6 +197,12 @@ class DiskTier:
             self._lru.add(h, size)
             self._used += size
         return results
+
+    def _filesystem_has_room(self, nbytes: int) -> bool:
+        """With ``writemap`` a write into a sparse map file on a full filesystem is a SIGBUS,
+        not an error: check the free space (plus 64 MiB for LMDB's own pages) first."""
+        stat = os.statvfs(self.path)
+        return stat.f_bavail * stat.f_frsize >= nbytes + (64 << 20)
 
     def remove(self, block_hashes: Sequence[BlockHash]) -> None:
         """Drop records (not an eviction: corrupt or unwanted). Missing hashes are ignored."""
@@ -223,6 +235,7 @@ class DiskTier:
             self.env.sync(True)
             self.env.close()
             self.env = None  # type: ignore[assignment]
+            self._lock_file.close()  # drops the flock
 
     def _rebuild_index(self) -> None:
         entries: list[tuple[int, BlockHash, int]] = []
@@ -254,6 +267,27 @@ class DiskTier:
         assert on_disk == dict(self._lru.items()), "DISK index and database disagree"
         assert self._used == sum(on_disk.values()), "DISK usage accounting is off"
         assert self._used <= self.capacity_bytes, "DISK capacity exceeded"
+
+
+def _lock_directory(path: Path):
+    """Hold an exclusive ``flock`` on ``path/kvtier.lock`` for the tier's lifetime: a second
+    writer would keep its own index and break the cap and the accounting.
+
+    Raises:
+        RuntimeError: another DiskTier (this process or another) has the directory open.
+    """
+    import fcntl
+
+    lock_file = open(path / "kvtier.lock", "a+b")
+    try:
+        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock_file.close()
+        raise RuntimeError(
+            f"{path} is in use by another kvtier store; use another data_dir, or share one cache "
+            "between processes through the kvtier daemon"
+        ) from None
+    return lock_file
 
 
 def record_footprint(payload_nbytes: int, page_nbytes: int = 4096) -> int:
@@ -289,13 +323,19 @@ def _encode_record(namespace: bytes, block: torch.Tensor, seq: int) -> np.ndarra
 
 
 def _parse_header(value: memoryview) -> tuple[int, int] | None:
-    """``(payload_nbytes, seq)`` of a record, or ``None`` if the header is not kvtier's."""
+    """``(payload_nbytes, seq)`` of a record, or ``None`` if its header is not a consistent
+    kvtier header (a corrupt size or sequence must not skew accounting or order)."""
     if len(value) < HEADER_NBYTES:
         return None
-    magic, version, _, _, *rest = _HEADER.unpack_from(value)
-    if magic != _MAGIC or version != _VERSION:
+    magic, version, dtype_code, ndim, *rest = _HEADER.unpack_from(value)
+    shape, payload_nbytes, seq = rest[:8], rest[9], rest[10]
+    if magic != _MAGIC or version != _VERSION or dtype_code not in _DTYPE_BY_CODE or not 0 < ndim <= 8:
         return None
-    payload_nbytes, seq = rest[-2], rest[-1]
+    itemsize = DTYPES_BY_NAME[_DTYPE_BY_CODE[dtype_code]].itemsize
+    if payload_nbytes != len(value) - HEADER_NBYTES or payload_nbytes != math.prod(shape[:ndim]) * itemsize:
+        return None
+    if seq >= 1 << 62:
+        return None
     return payload_nbytes, seq
 
 

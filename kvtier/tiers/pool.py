@@ -58,7 +58,7 @@ class BlockPool:
         # Slot 0 is handed out first: pop() from the end of a reversed list.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         # block_hash -> block_id, in eviction order (kvtier.tiers.lru).
-        self._lru: SegmentedLRU[BlockHash, int] = SegmentedLRU(max_ghosts=num_blocks)
+        self._lru: SegmentedLRU[BlockHash, int] = SegmentedLRU(max_ghosts=2 * num_blocks)
 
     # -- queries ---------------------------------------------------------------------------
     def __contains__(self, block_hash: BlockHash) -> bool:

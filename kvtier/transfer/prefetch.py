@@ -17,8 +17,10 @@ Steps (all index changes under the store's lock; the copies outside it):
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any, Sequence
 
 from kvtier.results import Lease, LoadResult
 from kvtier.transfer.engine import JobResult, TransferJob
@@ -58,6 +60,7 @@ class PrefetchHandle:
     """Submit-to-done time of the slowest DISK read job (set once the reads are waited)."""
     _result: LoadResult | None = None
     _staged: bool = False
+    _abandon: Any = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -77,6 +80,8 @@ class PrefetchHandle:
                 self._stage()
                 self._apply(self.store.engine.wait(self.copy_jobs), self.copy_jobs)
                 with self.store._lock:
+                    if self._abandon is not None:
+                        self._abandon.detach()
                     self._result = _publish(self.store, self)
             return self._result
 
@@ -117,21 +122,28 @@ class PrefetchHandle:
             self.copy_jobs[store.engine.submit(job)] = staged
 
     def _apply(self, results: dict[int, JobResult], jobs: dict[int, list[int]]) -> None:
-        for job_id, result in results.items():
-            for k, index in enumerate(jobs[job_id]):
-                if not result.ok[k] and self.blocks[index].ok:
+        """Mark failed blocks; a job with no result (the store closed under it) fails whole."""
+        for job_id, indices in jobs.items():
+            result = results.get(job_id)
+            for k, index in enumerate(indices):
+                if (result is None or not result.ok[k]) and self.blocks[index].ok:
                     self.blocks[index].ok = False
-                    self.blocks[index].reason = result.reasons.get(k, "error")
+                    self.blocks[index].reason = "cancelled" if result is None else result.reasons.get(k, "error")
 
 
 def plan_prefetch(store: "TieredStore", block_hashes: Sequence[BlockHash]) -> PrefetchHandle:
     """Step 1 above; the caller holds the store's lock."""
     chain: list[tuple[BlockHash, Medium]] = []
+    seen: set[BlockHash] = set()
     for h in block_hashes:
         medium = store.medium_of(h)
-        if medium is None or (store.top.medium, h) in store._pending:
-            break  # the end of the prefix, or a block another request is bringing up
+        if medium is None or (store.top.medium, h) in store._pending or h in seen:
+            break  # the end of the prefix, a block another request is bringing up, or a repeat
+        seen.add(h)
         chain.append((h, medium))
+    store.stats.lookup_blocks += len(block_hashes)
+    for _, medium in chain:
+        store.stats.hit_blocks[medium] += 1
     lease = Lease(store, [h for h, _ in chain])
     top = store.top
     store._make_room(0, sum(1 for _, m in chain if m is not top.medium))
@@ -165,7 +177,24 @@ def plan_prefetch(store: "TieredStore", block_hashes: Sequence[BlockHash]) -> Pr
         lease = shorter
     handle = PrefetchHandle(store, blocks, lease)
     _submit(store, handle)
+    # Dropped without wait() (the request was cancelled): wait its jobs and free its slots.
+    handle._abandon = weakref.finalize(
+        handle, store._defer_or_run,
+        partial(_cancel, store, blocks, dict(handle.read_jobs), dict(handle.copy_jobs), lease),
+    )
     return handle
+
+
+def _cancel(store: "TieredStore", blocks, read_jobs, copy_jobs, lease: Lease) -> None:
+    """Clean up an abandoned prefetch (the caller holds the store's lock)."""
+    store.engine.wait([*read_jobs, *copy_jobs])
+    top, cpu = store.top, store.pool(Medium.CPU)
+    for b in blocks:
+        if b.source is not top.medium:
+            store._free_pending(top, [b.block_hash])
+        if b.staging_id is not None and cpu is not None:
+            store._free_pending(cpu, [b.block_hash])
+    lease.release()
 
 
 def _submit(store: "TieredStore", handle: PrefetchHandle) -> None:
@@ -203,8 +232,8 @@ def _publish(store: "TieredStore", handle: PrefetchHandle) -> LoadResult:
                 store.pool(medium).free(b.block_hash)
         if not b.ok:
             store.stats.load_failures[b.reason or "error"] += 1
-            if b.reason == "corrupt" and store.disk is not None:
-                store.disk.remove([b.block_hash])
+            if b.reason in ("corrupt", "missing") and store.disk is not None:
+                store.disk.remove([b.block_hash])  # never claim it again
     loaded = handle.blocks[:num_ok]
     for b in loaded:
         store.stats.loaded_blocks[b.source] += 1
