@@ -595,6 +595,7 @@ STEPS = (  # (name, step, seconds it needs at least, on an H200)
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="results directory (default $OUT, else ./gpu-results)")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the rows here (always in --out/gpu.json)")
     parser.add_argument("--quick", action="store_true", help="smaller sizes (256 MiB transfers, 8-layer model, 8k only)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of this script")
     parser.add_argument("--budget-s", type=float, default=400.0,
@@ -640,6 +641,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work_dir, ignore_errors=True)
     checks = target_lines(rows, run.cuda)
     write_json(out / "gpu.json", NAME, rows)
+    if args.json:
+        write_json(args.json, NAME, rows)
     write_summary(run, rows, checks, step_s)
     env = environment(run)
     title = (f"kvtier GPU bench on {env['device']}: torch {env['torch']}, triton {env['triton']}, "

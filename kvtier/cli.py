@@ -84,7 +84,10 @@ def demo(**kwargs: Any) -> None:
     from kvtier.sharegpt import DatasetNotInstalledError
 
     options = _demo_options(kwargs)
-    config = config_from_cli(kwargs)
+    try:
+        config = config_from_cli(kwargs)
+    except ValueError as exc:  # a bad size or value: a usage error, not a traceback
+        raise click.UsageError(str(exc)) from None
     console = Console(width=None if sys.stdout.isatty() else 120)
     started = time.perf_counter()
     progress = _Progress(console)
