@@ -121,7 +121,6 @@ class TransferEngine:
         self._pending: dict[int, Pending] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._jobs: dict[int, TransferJob] = {}
 
     def register(self, src: Medium, dst: Medium, handler: TransferHandler) -> None:
         self._handlers[(src, dst)] = handler
@@ -143,7 +142,6 @@ class TransferEngine:
             pending = Completed(failed(job, "error", started))
         with self._lock:
             self._pending[job.job_id] = pending
-            self._jobs[job.job_id] = job
         return job.job_id
 
     def poll(self, job_ids: Iterable[int] | None = None) -> list[JobResult]:
@@ -179,7 +177,6 @@ class TransferEngine:
     def _take(self, job_id: int) -> JobResult:
         with self._lock:
             pending = self._pending.pop(job_id)
-            self._jobs.pop(job_id, None)
         return pending.result()
 
     @property

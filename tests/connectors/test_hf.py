@@ -151,8 +151,15 @@ def test_bad_input_raises_value_error(connector):
         connector.before_prefill(torch.zeros(1, 0, dtype=torch.long))
 
 
-def test_cache_kwarg_name(model):
-    assert cache_kwarg(model) in ("cache", "past_key_values")
+def test_cache_kwarg_is_the_name_the_model_reads(model):
+    """Passing the cache under ``cache_kwarg(model)`` must fill that very object (a wrong
+    name would be swallowed by **kwargs and the model would start a fresh cache)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(prompt(20, seed=11), use_cache=True, **{cache_kwarg(model): cache})
+    assert cache.get_seq_length() == 20
 
 
 def test_prefetch_ticket_is_used_by_before_prefill(model, tmp_path):
