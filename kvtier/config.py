@@ -66,6 +66,15 @@ class StoreConfig:
     flush_on_close: bool = True
     """On close, write every block that is only in GPU/CPU memory down to DISK, so that the
     next process finds it (persistence across restarts)."""
+    remote_url: str | None = None
+    """Shared REMOTE tier below DISK: ``http://host:port`` (a ``kvtier serve`` daemon),
+    ``redis://host:port/db`` (Redis) or ``redis+cluster://host:port`` (Redis Cluster);
+    ``None``: no REMOTE tier. Stored blocks are written to it in the background."""
+    remote_token: str | None = None
+    """Bearer token for the daemon (``KVTIER_REMOTE_TOKEN``); Redis takes its password from
+    the URL."""
+    remote_timeout_s: float = 2.0
+    """Seconds before a REMOTE call gives up; a timed-out read is a miss, never an error."""
 
     def __post_init__(self) -> None:
         for name in ("gpu_bytes", "cpu_bytes", "disk_bytes"):
@@ -79,6 +88,11 @@ class StoreConfig:
         if self.write_policy not in get_args(WritePolicy):
             raise ValueError(f"expected write_policy in {get_args(WritePolicy)}, got {self.write_policy!r}")
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
+        if self.remote_url is not None and not re.match(r"^(https?|redis|rediss|redis\+cluster)://[^/\s]+", str(self.remote_url)):
+            raise ValueError(f"expected remote_url like http://127.0.0.1:8765 or redis://127.0.0.1:6379/0, got {self.remote_url!r}")
+        timeout = self.remote_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
+            raise ValueError(f"expected 0 < remote_timeout_s <= 3600 (seconds), got {timeout!r}")
         if self.gpu_bytes == 0 and self.cpu_bytes == 0:
             raise ValueError("expected gpu_bytes or cpu_bytes > 0 (loads land in a memory pool), got both 0")
 
@@ -107,6 +121,11 @@ def _coerce(name: str, raw: str) -> Any:
             return int(raw)
         except ValueError:
             raise ValueError(f"expected an int for {ENV_PREFIX}{name.upper()}, got {raw!r}") from None
+    if name == "remote_timeout_s":
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"expected seconds for {ENV_PREFIX}{name.upper()}, got {raw!r}") from None
     if name == "flush_on_close":
         value = raw.strip().lower()
         if value in ("1", "true", "yes", "on"):
@@ -132,6 +151,8 @@ def config_options(func):
             func = click.option(flag, type=click.Choice(choices), default=None, help=help_text)(func)
         elif f.name in ("block_size", "num_io_threads"):
             func = click.option(flag, type=int, default=None, help=help_text)(func)
+        elif f.name == "remote_timeout_s":
+            func = click.option(flag, type=float, default=None, help=help_text)(func)
         else:
             func = click.option(flag, default=None, help=help_text)(func)
     return func

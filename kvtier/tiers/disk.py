@@ -1,11 +1,7 @@
 """DISK tier: an LMDB environment with one record per block, a byte cap and LRU order.
 
-Record value = 96-byte header + raw block bytes::
-
-    magic "KVTB" | version u16 | dtype code u8 | ndim u8 | shape 8 x u32 | namespace 32 B |
-    payload_nbytes u64 | seq u64 | checksum u64 (xxh3-64 over the header before it + payload)
-
-Key = the block hash. Every read is verified (magic, version, namespace, dtype, shape, size,
+Record value = a block record (:mod:`kvtier.records`: 96-byte header + raw block bytes);
+key = the block hash. Every read is verified (magic, version, namespace, dtype, shape, size,
 checksum); a record that fails is reported as ``CORRUPT`` and dropped, never served (case D1).
 
 Durability: the environment is opened with ``writemap=True, sync=False``: a committed write
@@ -23,44 +19,27 @@ touch the index; index changes and writes take the tier's lock.
 
 from __future__ import annotations
 
-import enum
 import logging
-import math
 import os
 import struct
 import threading
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import numpy as np
 import torch
-import xxhash
 
 try:
     import lmdb
 except ImportError:  # only the DISK tier needs it; GPU/CPU tiers run without
     lmdb = None  # type: ignore[assignment]
 
+from kvtier.records import HEADER_NBYTES, ReadStatus, decode_into, encode_record, parse_header
 from kvtier.tiers.lru import SegmentedLRU
-from kvtier.types import DTYPE_NAMES, DTYPES_BY_NAME, BlockHash, Medium
+from kvtier.types import BlockHash, Medium
 
 logger = logging.getLogger(__name__)
 
-_MAGIC = b"KVTB"
-_VERSION = 1
-_HEADER = struct.Struct("<4sHBB8I32sQQ")  # everything but the trailing checksum
-_CHECKSUM = struct.Struct("<Q")
-HEADER_NBYTES = _HEADER.size + _CHECKSUM.size  # 96
-_DTYPE_CODES = {name: i + 1 for i, name in enumerate(sorted(DTYPE_NAMES.values()))}
-_DTYPE_BY_CODE = {code: name for name, code in _DTYPE_CODES.items()}
 _OVERFLOW_PAGE_HEADER = 16  # bytes LMDB reserves at the start of an overflow page run
-_CHUNK_NBYTES = 256 << 10  # copy+hash granularity: stays in L2 between the copy and the hash
-
-
-class ReadStatus(enum.Enum):
-    OK = "ok"
-    MISSING = "missing"
-    CORRUPT = "corrupt"
 
 
 class DiskTier:
@@ -183,7 +162,7 @@ class DiskTier:
                         results.append(False)
                         continue
                     self._seq += 1
-                    txn.put(h, _encode_record(namespace, block, self._seq))
+                    txn.put(h, encode_record(namespace, block, self._seq))
                     used += size
                     staged.append((h, size))
                     results.append(True)
@@ -223,7 +202,7 @@ class DiskTier:
             value = txn.get(block_hash)
             if value is None:
                 return ReadStatus.MISSING
-            return _decode_into(value, namespace, out)
+            return decode_into(value, namespace, out)
 
     # -- lifecycle -------------------------------------------------------------------------
     def flush(self) -> None:
@@ -242,7 +221,7 @@ class DiskTier:
         bad: list[bytes] = []
         with self.env.begin(buffers=True) as txn:
             for key, value in txn.cursor():
-                parsed = _parse_header(value)
+                parsed = parse_header(value)
                 if parsed is None:
                     bad.append(bytes(key))
                     continue
@@ -263,7 +242,7 @@ class DiskTier:
     def check(self) -> None:
         """Invariant check for tests: index and database agree, cap respected."""
         with self.env.begin(buffers=True) as txn:
-            on_disk = {bytes(k): self.footprint(_parse_header(v)[0]) for k, v in txn.cursor()}
+            on_disk = {bytes(k): self.footprint(parse_header(v)[0]) for k, v in txn.cursor()}
         assert on_disk == dict(self._lru.items()), "DISK index and database disagree"
         assert self._used == sum(on_disk.values()), "DISK usage accounting is off"
         assert self._used <= self.capacity_bytes, "DISK capacity exceeded"
@@ -295,76 +274,3 @@ def record_footprint(payload_nbytes: int, page_nbytes: int = 4096) -> int:
     page header, rounded up to whole pages (LMDB stores large values on overflow pages)."""
     total = HEADER_NBYTES + payload_nbytes + _OVERFLOW_PAGE_HEADER
     return -(-total // page_nbytes) * page_nbytes
-
-
-def _encode_record(namespace: bytes, block: torch.Tensor, seq: int) -> np.ndarray:
-    """Header + checksum + payload in one new buffer: one copy of the block, hashed chunk by
-    chunk from the buffer while it is hot."""
-    assert block.is_contiguous() and block.device.type == "cpu", "block must be contiguous on CPU"
-    shape = list(block.shape)
-    assert len(shape) <= 8 and len(namespace) == 32
-    payload_nbytes = block.numel() * block.element_size()
-    header = _HEADER.pack(
-        _MAGIC, _VERSION, _DTYPE_CODES[DTYPE_NAMES[block.dtype]], len(shape),
-        *(shape + [0] * (8 - len(shape))), namespace, payload_nbytes, seq,
-    )
-    record = np.empty(HEADER_NBYTES + payload_nbytes, dtype=np.uint8)
-    record[: _HEADER.size] = np.frombuffer(header, dtype=np.uint8)
-    digest = xxhash.xxh3_64(header)
-    if payload_nbytes:
-        src = block.view(torch.uint8).numpy().reshape(-1)
-        dst = record[HEADER_NBYTES:]
-        for start in range(0, payload_nbytes, _CHUNK_NBYTES):
-            chunk = dst[start : start + _CHUNK_NBYTES]
-            np.copyto(chunk, src[start : start + _CHUNK_NBYTES])
-            digest.update(chunk)
-    record[_HEADER.size : HEADER_NBYTES] = np.frombuffer(_CHECKSUM.pack(digest.intdigest()), dtype=np.uint8)
-    return record
-
-
-def _parse_header(value: memoryview) -> tuple[int, int] | None:
-    """``(payload_nbytes, seq)`` of a record, or ``None`` if its header is not a consistent
-    kvtier header (a corrupt size or sequence must not skew accounting or order)."""
-    if len(value) < HEADER_NBYTES:
-        return None
-    magic, version, dtype_code, ndim, *rest = _HEADER.unpack_from(value)
-    shape, payload_nbytes, seq = rest[:8], rest[9], rest[10]
-    if magic != _MAGIC or version != _VERSION or dtype_code not in _DTYPE_BY_CODE or not 0 < ndim <= 8:
-        return None
-    itemsize = DTYPES_BY_NAME[_DTYPE_BY_CODE[dtype_code]].itemsize
-    if payload_nbytes != len(value) - HEADER_NBYTES or payload_nbytes != math.prod(shape[:ndim]) * itemsize:
-        return None
-    if seq >= 1 << 62:
-        return None
-    return payload_nbytes, seq
-
-
-def _decode_into(value: memoryview, namespace: bytes, out: torch.Tensor) -> ReadStatus:
-    if len(value) < HEADER_NBYTES:
-        return ReadStatus.CORRUPT
-    magic, version, dtype_code, ndim, *rest = _HEADER.unpack_from(value)
-    shape, ns, payload_nbytes = rest[:8][:ndim], rest[8], rest[9]
-    if (
-        magic != _MAGIC
-        or version != _VERSION
-        or ns != namespace
-        or _DTYPE_BY_CODE.get(dtype_code) != DTYPE_NAMES.get(out.dtype)
-        or tuple(shape) != tuple(out.shape)
-        or payload_nbytes != out.numel() * out.element_size()
-        or len(value) != HEADER_NBYTES + payload_nbytes
-    ):
-        return ReadStatus.CORRUPT
-    # Copy in cache-sized chunks and hash each chunk from the destination while it is hot:
-    # one pass over memory instead of two, and the check covers exactly the bytes delivered.
-    digest = xxhash.xxh3_64(value[: _HEADER.size])
-    (stored,) = _CHECKSUM.unpack_from(value, _HEADER.size)
-    if payload_nbytes:
-        src = np.frombuffer(value, dtype=np.uint8, offset=HEADER_NBYTES)
-        dst = out.view(torch.uint8).numpy().reshape(-1)
-        for start in range(0, payload_nbytes, _CHUNK_NBYTES):
-            chunk = dst[start : start + _CHUNK_NBYTES]
-            np.copyto(chunk, src[start : start + _CHUNK_NBYTES])
-            digest.update(chunk)
-    if digest.intdigest() != stored:
-        return ReadStatus.CORRUPT
-    return ReadStatus.OK

@@ -25,7 +25,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from kvtier.tiers.disk import DiskTier, ReadStatus
+from kvtier.records import ReadStatus
+from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.pool import BlockPool
 from kvtier.transfer.engine import Completed, JobResult, Pending, TransferHandler, TransferJob, failed
 
