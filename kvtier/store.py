@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections import Counter, deque
 from functools import partial
@@ -106,6 +107,10 @@ class TieredStore:
         self._executor = ThreadPoolExecutor(config.num_io_threads, thread_name_prefix="kvtier-io")
         self.engine = TransferEngine()
         self._register_handlers()
+        self.observe: Callable[[str, float], None] | None = None
+        """Latency hook: ``observe(op, seconds)`` after each ``lookup``, ``load`` (prefetch
+        submit to ``wait`` done) and ``store`` (``store``/``store_with``); kvtier.metrics
+        sets it to feed its histograms. Must be cheap and must not raise."""
 
     def _register_handlers(self) -> None:
         for upper, lower in zip(self.pools, self.pools[1:]):
@@ -142,6 +147,7 @@ class TieredStore:
     def lookup(self, block_hashes: Sequence[BlockHash], pin: bool = False) -> LookupResult:
         """Longest prefix of ``block_hashes`` present in any tier. Touches no LRU order."""
         self._check_hashes(block_hashes)
+        t0 = time.perf_counter()
         with self._lock:
             self._check_open()
             media: list[Medium] = []
@@ -154,7 +160,8 @@ class TieredStore:
             for medium in media:
                 self.stats.hit_blocks[medium] += 1
             lease = Lease(self, block_hashes[: len(media)]) if pin and media else None
-            return LookupResult(len(media), media, lease)
+        self._observe("lookup", t0)
+        return LookupResult(len(media), media, lease)
 
     def prefetch(self, block_hashes: Sequence[BlockHash]) -> PrefetchHandle:
         """Pin the cached prefix of ``block_hashes`` and start bringing it into the top pool.
@@ -252,6 +259,7 @@ class TieredStore:
         Returns:
             leading blocks of the request now stored.
         """
+        t0 = time.perf_counter()
         chunk = max(1, self.top.num_blocks // 2)
         stored = 0
         new: set[BlockHash] = set()
@@ -273,7 +281,9 @@ class TieredStore:
                 self._touch_tail_first(block_hashes[:stored], frozenset(new))
             # A request larger than every tier evicts its own head: claim only what a lookup
             # finds (case B2: never claim more than is stored).
-            return next((i for i, h in enumerate(block_hashes[:stored]) if self.medium_of(h) is None), stored)
+            stored = next((i for i, h in enumerate(block_hashes[:stored]) if self.medium_of(h) is None), stored)
+        self._observe("store", t0)
+        return stored
 
     # -- lifecycle ---------------------------------------------------------------------------
     def wait_for_writes(self) -> None:
@@ -340,6 +350,10 @@ class TieredStore:
             assert not self._pending, "a transfer or store was started but never completed"
 
     # -- pins and order ----------------------------------------------------------------------
+    def _observe(self, op: str, t0: float) -> None:
+        if self.observe is not None:
+            self.observe(op, time.perf_counter() - t0)
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("store is closed")

@@ -17,6 +17,7 @@ Steps (all index changes under the store's lock; the copies outside it):
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from functools import partial
@@ -56,6 +57,7 @@ class PrefetchHandle:
     lease: Lease
     read_jobs: dict[int, list[int]] = field(default_factory=dict)  # job id -> block indices
     copy_jobs: dict[int, list[int]] = field(default_factory=dict)
+    submitted_at: float = field(default_factory=time.perf_counter)
     read_seconds: float = 0.0
     """Submit-to-done time of the slowest DISK read job (set once the reads are waited)."""
     _result: LoadResult | None = None
@@ -83,6 +85,7 @@ class PrefetchHandle:
                     if self._abandon is not None:
                         self._abandon.detach()
                     self._result = _publish(self.store, self)
+                    self.store._observe("load", self.submitted_at)
             return self._result
 
     def wait_layer(self, layer: int) -> None:
