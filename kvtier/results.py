@@ -47,7 +47,8 @@ class LookupResult:
     Attributes:
         num_hit_blocks: leading blocks present in some tier.
         media: the fastest medium holding each hit block, ``[num_hit_blocks]``.
-        lease: pins on the hit blocks when looked up with ``pin=True``, else ``None``.
+        lease: pins on the hit blocks when looked up with ``pin=True``, else ``None``
+            (REMOTE blocks are never pinned: another process owns them).
     """
 
     num_hit_blocks: int
@@ -97,6 +98,7 @@ class StoreStats:
     """Event counters (each event counted once); rates are left to the reader."""
 
     lookup_blocks: int = 0
+    remote_lookup_blocks: int = 0  # blocks asked of the REMOTE tier (after the local tiers missed)
     hit_blocks: Counter = field(default_factory=Counter)  # by medium
     stored_blocks: Counter = field(default_factory=Counter)  # by medium
     evicted_blocks: Counter = field(default_factory=Counter)  # by medium

@@ -49,14 +49,19 @@ import torch
 
 from kvtier.config import StoreConfig
 from kvtier.results import Lease, LoadResult, LookupResult, StoreHandle, StoreStats
+from kvtier.tiers.backend import RemoteBackend, make_remote
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.pool import BlockPool
 from kvtier.transfer.engine import TransferEngine, TransferJob
-from kvtier.transfer.handlers import DiskHandler, PoolCopyHandler, slot_runs
+from kvtier.transfer.handlers import DiskHandler, PoolCopyHandler, RemoteHandler, slot_runs
 from kvtier.transfer.prefetch import PrefetchHandle, plan_prefetch
 from kvtier.types import BlockHash, KVSpec, Medium
 
 logger = logging.getLogger(__name__)
+
+_COUNTED_REQUESTS = 4096
+"""Request ids remembered so that a lookup repeated for the same request (an engine retrying
+a schedule) is counted once (case M1)."""
 
 _DISK_TXN_BYTES = 64 << 20
 """Blocks per LMDB write transaction when spilling: one transaction per ~64 MiB. Far larger
@@ -74,13 +79,22 @@ class TieredStore:
         namespace: 32-byte ``KeyContext.namespace()``; written into every DISK record and
             checked on every DISK read.
         device: device of the GPU pool; default ``cuda`` when available, else ``cpu``.
+        remote: the REMOTE tier (kvtier.tiers.backend); default: built from
+            ``config.remote_url`` (and closed with the store), none when that is unset. A
+            backend passed in stays the caller's to close.
 
     Raises:
-        ValueError: a capacity smaller than one block, a namespace that is not 32 bytes.
+        ValueError: a capacity smaller than one block, a namespace that is not 32 bytes, a
+            REMOTE tier that knows this namespace with another block shape or dtype.
     """
 
     def __init__(
-        self, spec: KVSpec, config: StoreConfig, namespace: bytes, device: torch.device | str | None = None
+        self,
+        spec: KVSpec,
+        config: StoreConfig,
+        namespace: bytes,
+        device: torch.device | str | None = None,
+        remote: RemoteBackend | None = None,
     ) -> None:
         if not isinstance(namespace, bytes) or len(namespace) != 32:
             raise ValueError(f"expected a 32-byte namespace (bytes), got {type(namespace).__name__} of length {len(namespace)}")
@@ -95,10 +109,27 @@ class TieredStore:
         if config.cpu_bytes:
             self.pools.append(BlockPool(Medium.CPU, spec, config.cpu_bytes, "cpu", pin_memory=cuda))
         self.disk = DiskTier(config.data_dir / "disk", config.disk_bytes) if config.disk_bytes else None
+        self._owns_remote = remote is None and config.remote_url is not None
+        if self._owns_remote:
+            remote = make_remote(config.remote_url, token=config.remote_token, timeout_s=config.remote_timeout_s)
+        self.remote = remote
+        if remote is not None:
+            try:
+                remote.register(namespace, spec)
+            except BaseException:
+                if self.disk is not None:
+                    self.disk.close()
+                if self._owns_remote:
+                    remote.close()
+                raise
         self.stats = StoreStats()
+        self._counted_requests: dict[str, None] = {}  # insertion-ordered, bounded
         self._ref_cnt: Counter = Counter()
+        self._protected: Counter = Counter()  # blocks of requests inside store_with: never dropped
         self._pending: set[tuple[Medium, BlockHash]] = set()
-        self._background: dict[int, Lease] = {}  # write-through DISK jobs -> pins on their sources
+        # background writes (write-through to DISK, puts to REMOTE): job id -> (destination,
+        # pins on their sources)
+        self._background: dict[int, tuple[Medium, Lease]] = {}
         self._lock = threading.RLock()
         # Cleanups that arrived while another thread held the lock (GC finalizers of leases
         # and abandoned handles); run under the lock at the start of the next operation.
@@ -123,6 +154,12 @@ class TieredStore:
                     handler = DiskHandler(self.disk, pool, self.namespace, self._executor)
                     self.engine.register(Medium.DISK, pool.medium, handler)
                     self.engine.register(pool.medium, Medium.DISK, handler)
+        if self.remote is not None:
+            for pool in self.pools:
+                handler = RemoteHandler(self.remote, pool, self.namespace, self._executor)
+                self.engine.register(pool.medium, Medium.REMOTE, handler)
+                if pool.tensor.device.type == "cpu":
+                    self.engine.register(Medium.REMOTE, pool.medium, handler)
 
     # -- lookups and loads -------------------------------------------------------------------
     @property
@@ -144,38 +181,86 @@ class TieredStore:
             return Medium.DISK
         return None
 
-    def lookup(self, block_hashes: Sequence[BlockHash], pin: bool = False) -> LookupResult:
-        """Longest prefix of ``block_hashes`` present in any tier. Touches no LRU order."""
+    def lookup(
+        self, block_hashes: Sequence[BlockHash], pin: bool = False, request_id: str | None = None
+    ) -> LookupResult:
+        """Longest prefix of ``block_hashes`` present in any tier, the REMOTE tier last (asked
+        only for the blocks after the local prefix, outside the store's lock). Touches no
+        LRU order; pins the local part when ``pin``.
+
+        Args:
+            request_id: when given, a repeated lookup for the same request (a retried
+                schedule) is not counted again in ``stats`` (case M1).
+        """
         self._check_hashes(block_hashes)
         t0 = time.perf_counter()
         with self._lock:
             self._check_open()
-            media: list[Medium] = []
-            for h in block_hashes:
-                medium = self.medium_of(h)
-                if medium is None:
-                    break
-                media.append(medium)
-            self.stats.lookup_blocks += len(block_hashes)
-            for medium in media:
-                self.stats.hit_blocks[medium] += 1
+            media = self._local_prefix(block_hashes)
             lease = Lease(self, block_hashes[: len(media)]) if pin and media else None
+            count = self._first_count(request_id)
+            if count:
+                self.stats.lookup_blocks += len(block_hashes)
+                for medium in media:
+                    self.stats.hit_blocks[medium] += 1
+        num_remote = self._remote_lookup(block_hashes[len(media) :], count)
+        media += [Medium.REMOTE] * num_remote
         self._observe("lookup", t0)
         return LookupResult(len(media), media, lease)
 
-    def prefetch(self, block_hashes: Sequence[BlockHash]) -> PrefetchHandle:
-        """Pin the cached prefix of ``block_hashes`` and start bringing it into the top pool.
-        Returns at once; ``handle.wait()`` gives the :class:`LoadResult`."""
+    def _local_prefix(self, block_hashes: Sequence[BlockHash]) -> list[Medium]:
+        media: list[Medium] = []
+        for h in block_hashes:
+            medium = self.medium_of(h)
+            if medium is None:
+                break
+            media.append(medium)
+        return media
+
+    def _first_count(self, request_id: str | None) -> bool:
+        """Whether this lookup's events are counted (the caller holds the lock)."""
+        if request_id is None:
+            return True
+        if request_id in self._counted_requests:
+            return False
+        self._counted_requests[request_id] = None
+        if len(self._counted_requests) > _COUNTED_REQUESTS:
+            del self._counted_requests[next(iter(self._counted_requests))]
+        return True
+
+    def _remote_lookup(self, block_hashes: Sequence[BlockHash], count: bool = True) -> int:
+        """Leading ``block_hashes`` held by the REMOTE tier (0 without one, or when it is
+        unreachable: the backend never raises for that). Called without the store's lock."""
+        if self.remote is None or not block_hashes:
+            return 0
+        num_hit = self.remote.lookup(self.namespace, block_hashes)
+        if count:
+            with self._lock:
+                self.stats.remote_lookup_blocks += len(block_hashes)
+                self.stats.hit_blocks[Medium.REMOTE] += num_hit
+        return num_hit
+
+    def prefetch(self, block_hashes: Sequence[BlockHash], request_id: str | None = None) -> PrefetchHandle:
+        """Pin the cached prefix of ``block_hashes`` and start bringing it into the top pool
+        (REMOTE blocks included: asked for first, outside the lock). Returns at once;
+        ``handle.wait()`` gives the :class:`LoadResult`. ``request_id``: see :meth:`lookup`."""
         self._check_hashes(block_hashes)
+        remote_hashes: frozenset = frozenset()
+        if self.remote is not None:
+            with self._lock:
+                self._check_open()
+                num_local = len(self._local_prefix(block_hashes))
+            rest = block_hashes[num_local:]
+            remote_hashes = frozenset(rest[: self._remote_lookup(rest, count=False)])
         with self._lock:
             self._check_open()
             self._reap()
-            return plan_prefetch(self, block_hashes)
+            return plan_prefetch(self, block_hashes, remote_hashes, count=self._first_count(request_id))
 
-    def load(self, block_hashes: Sequence[BlockHash]) -> LoadResult:
+    def load(self, block_hashes: Sequence[BlockHash], request_id: str | None = None) -> LoadResult:
         """``prefetch(block_hashes).wait()``: the leading cached blocks in the top pool,
         pinned. Shorter than asked when a block is missing, corrupt or finds no slot."""
-        return self.prefetch(block_hashes).wait()
+        return self.prefetch(block_hashes, request_id).wait()
 
     # -- stores ------------------------------------------------------------------------------
     def prepare_store(self, block_hashes: Sequence[BlockHash]) -> StoreHandle:
@@ -227,6 +312,7 @@ class TieredStore:
                 self._touch_tail_first(handle.lease.block_hashes, frozenset(handle.block_hashes))
                 if self.config.write_policy == "write_through":
                     self._write_through(handle.block_hashes)
+                self._put_remote(handle.block_hashes)
             handle.lease.release()
 
     def store(self, block_hashes: Sequence[BlockHash], blocks: torch.Tensor) -> int:
@@ -263,6 +349,26 @@ class TieredStore:
         chunk = max(1, self.top.num_blocks // 2)
         stored = 0
         new: set[BlockHash] = set()
+        protected: list[BlockHash] = []
+        try:
+            stored = self._store_chunks(block_hashes, write, chunk, new, protected)
+        finally:
+            with self._lock:
+                self._protected.subtract(protected)
+                self._protected += Counter()  # drop zero counts
+        with self._lock:
+            if stored > chunk:  # re-order across chunks: the request's tail goes first
+                self._touch_tail_first(block_hashes[:stored], frozenset(new))
+            # A request larger than every tier evicts its own head: claim only what a lookup
+            # finds (case B2: never claim more than is stored).
+            stored = next((i for i, h in enumerate(block_hashes[:stored]) if self.medium_of(h) is None), stored)
+        self._observe("store", t0)
+        return stored
+
+    def _store_chunks(self, block_hashes, write, chunk: int, new: set, protected: list) -> int:
+        """store_with's loop: each chunk stored is protected from being dropped while the
+        rest of the request goes in."""
+        stored = 0
         for start in range(0, len(block_hashes), chunk):
             handle = self.prepare_store(block_hashes[start : start + chunk])
             ok = False
@@ -274,20 +380,18 @@ class TieredStore:
                 self.complete_store(handle, success=ok)
             stored = start + handle.num_blocks
             new.update(handle.block_hashes)
+            part = block_hashes[start:stored]
+            with self._lock:
+                self._protected.update(part)
+            protected.extend(part)
             if stored < min(start + chunk, len(block_hashes)):
                 break
-        with self._lock:
-            if stored > chunk:  # re-order across chunks: the request's tail goes first
-                self._touch_tail_first(block_hashes[:stored], frozenset(new))
-            # A request larger than every tier evicts its own head: claim only what a lookup
-            # finds (case B2: never claim more than is stored).
-            stored = next((i for i, h in enumerate(block_hashes[:stored]) if self.medium_of(h) is None), stored)
-        self._observe("store", t0)
         return stored
 
     # -- lifecycle ---------------------------------------------------------------------------
     def wait_for_writes(self) -> None:
-        """Block until background (write-through) DISK writes are done and released."""
+        """Block until background writes (write-through to DISK, puts to REMOTE) are done
+        and released."""
         with self._lock:
             self._reap(wait=True)
 
@@ -316,6 +420,8 @@ class TieredStore:
             self._executor.shutdown(wait=True)
             if self.disk is not None:
                 self.disk.close()
+            if self._owns_remote:
+                self.remote.close()
             self._closed = True
 
     def __enter__(self) -> "TieredStore":
@@ -439,20 +545,32 @@ class TieredStore:
         missing = num_blocks - pool.num_free
         if missing <= 0:
             return
-        victims = []
-        for h in pool.lru_order():
-            if len(victims) >= missing:
-                break
-            if self._evictable(pool.medium, h):
-                victims.append(h)
+        victims = self._victims(pool, missing)
+        if len(victims) < missing and self._background:
+            # Background writes (REMOTE puts, write-through) pin their sources: wait for them
+            # (each bounded by its tier's timeout) rather than refuse the store.
+            self._reap(wait=True)
+            victims = self._victims(pool, missing)
         if self.config.write_policy == "write_back":
             spill = victims
         else:
             spill = [h for h in victims if not self._below_has(index, h)]
         self._write_down(index, spill)
+        # The head of a request being stored is never dropped to make room for its own tail
+        # (a request larger than every tier keeps its head: the part a later prompt can hit).
+        victims = [h for h in victims if h not in self._protected or self._below_has(index, h)]
         for h in victims:
             pool.free(h, evicted=True)
         self.stats.evicted_blocks[pool.medium] += len(victims)
+
+    def _victims(self, pool: BlockPool, num_blocks: int) -> list[BlockHash]:
+        victims = []
+        for h in pool.lru_order():
+            if len(victims) >= num_blocks:
+                break
+            if self._evictable(pool.medium, h):
+                victims.append(h)
+        return victims
 
     def _below_has(self, index: int, block_hash: BlockHash) -> bool:
         below = self.pools[index + 1 :]
@@ -490,7 +608,7 @@ class TieredStore:
         for h in self.disk.lru_order():
             if free >= need:
                 break
-            if self._evictable(Medium.DISK, h):
+            if self._evictable(Medium.DISK, h) and h not in self._protected:
                 victims.append(h)
                 free += self.disk.footprint_of(h)
         return (victims, size) if free >= need else None
@@ -531,7 +649,18 @@ class TieredStore:
             return
         lease = Lease(self, todo)  # the host copies stay until the write is done
         job = TransferJob(host.medium, Medium.DISK, todo, src_ids=[host.block_id(h) for h in todo], evict=room[0])
-        self._background[self.engine.submit(job)] = lease
+        self._background[self.engine.submit(job)] = (Medium.DISK, lease)
+
+    def _put_remote(self, block_hashes: list[BlockHash]) -> None:
+        """Send newly stored blocks to the REMOTE tier in the background (so that other
+        processes hit them at once), from the top pool; they stay pinned until it is done."""
+        top = self.top
+        todo = [h for h in block_hashes if h in top and (top.medium, h) not in self._pending]
+        if self.remote is None or not todo:
+            return
+        lease = Lease(self, todo)
+        job = TransferJob(top.medium, Medium.REMOTE, todo, src_ids=[top.block_id(h) for h in todo])
+        self._background[self.engine.submit(job)] = (Medium.REMOTE, lease)
 
     def _reap(self, wait: bool = False) -> None:
         """Consume finished background (write-through) jobs and release their pins."""
@@ -540,8 +669,12 @@ class TieredStore:
         ids = list(self._background)
         results = self.engine.wait(ids).values() if wait else self.engine.poll(ids)
         for result in results:
-            self._background.pop(result.job_id).release()
-            self.stats.spilled_blocks[Medium.DISK] += sum(result.ok)
+            medium, lease = self._background.pop(result.job_id)
+            lease.release()
+            if medium is Medium.REMOTE:
+                self.stats.stored_blocks[Medium.REMOTE] += sum(result.ok)
+            else:
+                self.stats.spilled_blocks[medium] += sum(result.ok)
             for reason in result.reasons.values():
                 self.stats.store_failures[reason] += 1
 

@@ -1,4 +1,5 @@
-"""Transfer handlers: pool<->pool copies (CUDA side streams) and DISK I/O (a thread pool).
+"""Transfer handlers: pool<->pool copies (CUDA side streams), DISK and REMOTE I/O (a thread
+pool).
 
 GPU<->CPU ordering on CUDA (cases G1, G2). Submit jobs from the thread that runs the model:
 the side stream is ordered after *that thread's* current stream.
@@ -153,6 +154,54 @@ class DiskHandler(TransferHandler):
         puts = [(h, self.namespace, self.pool.tensor[s]) for h, s in zip(job.block_hashes, job.src_ids)]
         ok = self.disk.write_batch(puts, deletes=job.evict)
         reasons = {i: "full" for i, good in enumerate(ok) if not good}
+        return JobResult(job.job_id, ok, reasons, sum(ok) * self.pool.spec.block_nbytes)
+
+
+class RemoteHandler(TransferHandler):
+    """A pool <-> the REMOTE tier (kvtier.tiers.backend.RemoteBackend), on the I/O threads.
+
+    Reads (``REMOTE -> pool``) land straight in host-memory pool slots, verified by the
+    backend; writes (``pool -> REMOTE``) send blocks from any pool (a GPU block is first
+    copied to host memory on the I/O thread). One backend call per job: the daemon streams
+    the whole batch over one connection, Redis pipelines it.
+
+    Args:
+        remote: the backend; it never raises for remote-side failures (statuses instead).
+        pool: the pool this handler reads into / writes from.
+        namespace: the store's 32-byte namespace.
+        executor: the shared I/O thread pool.
+    """
+
+    def __init__(self, remote, pool: BlockPool, namespace: bytes, executor: ThreadPoolExecutor) -> None:
+        self.remote, self.pool, self.namespace, self.executor = remote, pool, namespace, executor
+
+    def start(self, job: TransferJob) -> Pending:
+        started = time.perf_counter()
+        run = self._read if job.dst_ids is not None else self._write
+        return _FuturePending(self.executor.submit(self._guarded, run, job, started))
+
+    def _guarded(self, run, job: TransferJob, started: float) -> JobResult:
+        try:
+            result = run(job)
+        except Exception as exc:  # a backend bug fails the job, never the engine's caller
+            logger.exception("REMOTE job %d failed: %s", job.job_id, exc)
+            result = failed(job, "error", started)
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def _read(self, job: TransferJob) -> JobResult:
+        outs = [self.pool.tensor[slot] for slot in job.dst_ids]
+        statuses = self.remote.get_into(self.namespace, job.block_hashes, outs)
+        ok = [status is ReadStatus.OK for status in statuses]
+        reasons = {i: status.value for i, status in enumerate(statuses) if status is not ReadStatus.OK}
+        return JobResult(job.job_id, ok, reasons, sum(ok) * self.pool.spec.block_nbytes)
+
+    def _write(self, job: TransferJob) -> JobResult:
+        blocks = [self.pool.tensor[s] for s in job.src_ids]
+        if self.pool.tensor.device.type != "cpu":
+            blocks = [b.to("cpu") for b in blocks]
+        ok = list(self.remote.put(self.namespace, job.block_hashes, blocks))
+        reasons = {i: "remote_put" for i, good in enumerate(ok) if not good}
         return JobResult(job.job_id, ok, reasons, sum(ok) * self.pool.spec.block_nbytes)
 
 

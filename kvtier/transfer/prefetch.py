@@ -6,8 +6,9 @@ Steps (all index changes under the store's lock; the copies outside it):
 1. ``plan_prefetch`` walks the hit chain, pins it (a lease), reserves a top-pool slot for
    every block not already there (pending: invisible to lookups, never evicted) and, for a
    DISK block when the top pool is on CUDA, a CPU slot to stage it in; then submits
-   DISK reads, split over the I/O threads, and one CPU->GPU copy job for blocks already in
-   the CPU slab.
+   DISK and REMOTE reads, split over the I/O threads, and one CPU->GPU copy job for blocks
+   already in the CPU slab. (The REMOTE part of the prefix is asked for before the lock is
+   taken: ``TieredStore.prefetch``.)
 2. ``PrefetchHandle.wait`` waits for the reads, sends the staged blocks CPU->GPU, waits for
    the copies, then publishes every block that arrived and frees the slots of those that did
    not (a corrupt DISK record is dropped and counted). The result is the prefix up to the
@@ -134,19 +135,30 @@ class PrefetchHandle:
                     self.blocks[index].reason = "cancelled" if result is None else result.reasons.get(k, "error")
 
 
-def plan_prefetch(store: "TieredStore", block_hashes: Sequence[BlockHash]) -> PrefetchHandle:
-    """Step 1 above; the caller holds the store's lock."""
+def plan_prefetch(
+    store: "TieredStore", block_hashes: Sequence[BlockHash], remote_hashes: frozenset = frozenset(), count: bool = True
+) -> PrefetchHandle:
+    """Step 1 above; the caller holds the store's lock. ``remote_hashes``: blocks the REMOTE
+    tier reported (asked before the lock was taken); ``count``: add to the lookup stats."""
     chain: list[tuple[BlockHash, Medium]] = []
     seen: set[BlockHash] = set()
     for h in block_hashes:
         medium = store.medium_of(h)
+        if medium is None and h in remote_hashes:
+            medium = Medium.REMOTE
         if medium is None or (store.top.medium, h) in store._pending or h in seen:
             break  # the end of the prefix, a block another request is bringing up, or a repeat
         seen.add(h)
         chain.append((h, medium))
-    store.stats.lookup_blocks += len(block_hashes)
-    for _, medium in chain:
-        store.stats.hit_blocks[medium] += 1
+    if count:
+        store.stats.lookup_blocks += len(block_hashes)
+        for _, medium in chain:
+            if medium is not Medium.REMOTE:
+                store.stats.hit_blocks[medium] += 1
+        num_local = sum(1 for _, m in chain if m is not Medium.REMOTE)
+        if store.remote is not None and num_local < len(block_hashes):
+            store.stats.remote_lookup_blocks += len(block_hashes) - num_local
+            store.stats.hit_blocks[Medium.REMOTE] += len(chain) - num_local
     lease = Lease(store, [h for h, _ in chain])
     top = store.top
     store._make_room(0, sum(1 for _, m in chain if m is not top.medium))
@@ -158,9 +170,9 @@ def plan_prefetch(store: "TieredStore", block_hashes: Sequence[BlockHash]) -> Pr
             blocks.append(BlockPlan(h, medium, top.block_id(h)))
             continue
         staging_id = None
-        if medium is Medium.DISK and stage_on_cpu:
+        if medium in (Medium.DISK, Medium.REMOTE) and stage_on_cpu:
             if cpu is None:
-                break  # DISK reads land in host memory; without a CPU slab, stop here
+                break  # DISK and REMOTE reads land in host memory; without a CPU slab, stop here
             store._make_room(store.pools.index(cpu), 1)
             staging_id = cpu.allocate(h)
             if staging_id is None:
@@ -202,15 +214,17 @@ def _cancel(store: "TieredStore", blocks, read_jobs, copy_jobs, lease: Lease) ->
 
 def _submit(store: "TieredStore", handle: PrefetchHandle) -> None:
     top = store.top
-    reads = [i for i, b in enumerate(handle.blocks) if b.source is Medium.DISK]
-    if reads:
-        dst = Medium.CPU if top.tensor.device.type != "cpu" else top.medium
+    dst = Medium.CPU if top.tensor.device.type != "cpu" else top.medium
+    for source in (Medium.DISK, Medium.REMOTE):
+        reads = [i for i, b in enumerate(handle.blocks) if b.source is source]
+        if not reads:
+            continue
         num_jobs = min(len(reads), store.config.num_io_threads)
         for part in (reads[k::num_jobs] for k in range(num_jobs)):
             ids = [handle.blocks[i].staging_id if dst is not top.medium else handle.blocks[i].top_id for i in part]
-            job = TransferJob(Medium.DISK, dst, [handle.blocks[i].block_hash for i in part], dst_ids=ids)
+            job = TransferJob(source, dst, [handle.blocks[i].block_hash for i in part], dst_ids=ids)
             handle.read_jobs[store.engine.submit(job)] = part
-    copies = [i for i, b in enumerate(handle.blocks) if b.source is not top.medium and b.source is not Medium.DISK]
+    copies = [i for i, b in enumerate(handle.blocks) if b.source not in (top.medium, Medium.DISK, Medium.REMOTE)]
     if copies:
         src = store.pool(handle.blocks[copies[0]].source)
         job = TransferJob(
@@ -235,7 +249,7 @@ def _publish(store: "TieredStore", handle: PrefetchHandle) -> LoadResult:
                 store.pool(medium).free(b.block_hash)
         if not b.ok:
             store.stats.load_failures[b.reason or "error"] += 1
-            if b.reason in ("corrupt", "missing") and store.disk is not None:
+            if b.source is Medium.DISK and b.reason in ("corrupt", "missing") and store.disk is not None:
                 store.disk.remove([b.block_hash])  # never claim it again
     loaded = handle.blocks[:num_ok]
     for b in loaded:

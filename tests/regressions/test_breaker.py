@@ -412,17 +412,13 @@ def test_request_longer_than_the_top_pool_goes_through_when_lower_tiers_have_roo
     store.check_invariants()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: store_with (store.py) stores a request larger than every tier in "
-                   "chunks, each chunk evicting the previous one, then reports all blocks stored: the head is "
-                   "gone (lookup 0) while it claims 10 - B2 'never claim more than is stored'; it keeps the "
-                   "useless tail instead of the head")
 @pytest.mark.parametrize("tiers", [dict(gpu_blocks=4), dict(gpu_blocks=4, cpu_blocks=4)], ids=["gpu", "gpu+cpu"])
 def test_store_of_a_request_larger_than_all_tiers_never_claims_evicted_blocks(make_store, tiers):
     store = make_store(**tiers)
     hashes, blocks = chain(10, SPEC, NS), random_blocks(SPEC, 10)
     claimed = store.store(hashes, blocks)
     assert claimed == store.lookup(hashes).num_hit_blocks  # honest (B2): holds today
-    assert claimed >= 1  # keeps the head rather than the tail: not yet
+    assert claimed >= 1  # keeps the head rather than the tail
     n, out = _read_back(store, hashes[:claimed])
     assert torch.equal(out, blocks[:n])
 
@@ -439,9 +435,6 @@ def test_write_through_with_one_block_tiers_stays_consistent(make_store):
     store.check_invariants()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: write-through DISK writes pin their blocks by hash (a Lease), which "
-                   "also pins the GPU copy while the background write runs: on a slow disk a request larger "
-                   "than the GPU pool is cut short although the CPU tier has room (result depends on I/O timing)")
 def test_write_through_background_write_does_not_pin_the_gpu_copy(make_store, monkeypatch):
     real = DiskTier.write_batch
     monkeypatch.setattr(DiskTier, "write_batch", lambda self, *a, **k: (time.sleep(0.2), real(self, *a, **k))[1])
