@@ -141,6 +141,8 @@ def arg_parser(description: str) -> argparse.ArgumentParser:
     """A parser with the options every benchmark takes: ``--json``, ``--repeats``, ``--stat``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the rows here")
+    parser.add_argument("--plot", type=Path, default=None, metavar="PATH",
+                        help="also draw the rows against their baselines as a PNG here (needs matplotlib)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per case, after one warm-up (default 3)")
     parser.add_argument(
         "--stat", choices=("best", "median"), default="best", help="which sample to report (default best)"
@@ -199,6 +201,13 @@ def write_json(path: str | Path, name: str, rows: Sequence[Row]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"bench": name, "rows": [r.to_json() for r in rows]}, indent=2) + "\n")
+
+
+def write_plot(path: str | Path, name: str, rows: Sequence[Row]) -> None:
+    """Draw ``rows`` (value beside baseline, per unit) as a PNG (:func:`kvtier.plots.plot_bench`)."""
+    from kvtier.plots import plot_bench
+
+    plot_bench({"bench": name, "rows": [r.to_json() for r in rows]}, path)
 
 
 # -- raw-file baselines ------------------------------------------------------------------------

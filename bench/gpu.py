@@ -60,7 +60,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from bench.common import Case, Row, measure, print_table, write_json  # noqa: E402
+from bench.common import Case, Row, measure, print_table, write_json, write_plot  # noqa: E402
 from bench.tiers import NAMESPACE, SPEC, copy_chunks, make_blocks  # noqa: E402
 from kvtier.config import StoreConfig  # noqa: E402
 from kvtier.hashing import block_hashes_for  # noqa: E402
@@ -596,6 +596,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="results directory (default $OUT, else ./gpu-results)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the rows here (always in --out/gpu.json)")
+    parser.add_argument("--plot", type=Path, default=None, metavar="PATH",
+                        help="also draw the rows as a PNG here (needs matplotlib)")
     parser.add_argument("--quick", action="store_true", help="smaller sizes (256 MiB transfers, 8-layer model, 8k only)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of this script")
     parser.add_argument("--budget-s", type=float, default=400.0,
@@ -643,6 +645,8 @@ def main(argv: list[str] | None = None) -> int:
     write_json(out / "gpu.json", NAME, rows)
     if args.json:
         write_json(args.json, NAME, rows)
+    if args.plot:
+        write_plot(args.plot, NAME, rows)
     write_summary(run, rows, checks, step_s)
     env = environment(run)
     title = (f"kvtier GPU bench on {env['device']}: torch {env['torch']}, triton {env['triton']}, "

@@ -37,7 +37,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from bench.common import Case, Row, apply_threads, arg_parser, measure, print_table, raw_write, write_json  # noqa: E402
+from bench.common import Case, Row, apply_threads, arg_parser, measure, print_table, raw_write, write_json, write_plot  # noqa: E402
 from kvtier.config import StoreConfig, parse_bytes  # noqa: E402
 from kvtier.hashing import KeyContext, block_hashes_for  # noqa: E402
 from kvtier.store import TieredStore  # noqa: E402
@@ -203,6 +203,8 @@ def main() -> None:
     print_table("kvtier transfers (CPU)", rows)
     if args.json:
         write_json(args.json, NAME, rows)
+    if args.plot:
+        write_plot(args.plot, NAME, rows)
 
 
 if __name__ == "__main__":

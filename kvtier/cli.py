@@ -2,6 +2,8 @@
 
 Commands:
     demo    multi-turn ShareGPT chats with and without kvtier: TTFT, hits per tier, identity.
+    serve   the cache daemon: a shared KV cache over HTTP (kvtier.server).
+    stats   hit rate, hits per tier, occupancy, bytes moved: tables from a daemon or a data dir.
 
 Store options (``--gpu-bytes`` ... ``--flush-on-close``) map one to one onto
 :class:`kvtier.config.StoreConfig` fields and their ``KVTIER_*`` environment variables.
@@ -56,6 +58,8 @@ def main() -> None:
                    "explicitly win.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write the results as JSON to this file.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Draw TTFT per turn without and with kvtier as a PNG here (needs matplotlib).")
 @click.option("--fresh", is_flag=True, help="Delete the DISK tier (<data-dir>/disk) before running.")
 @config_options
 def demo(**kwargs: Any) -> None:
@@ -101,6 +105,37 @@ def demo(**kwargs: Any) -> None:
     if kwargs["json_path"]:
         report.write_json(kwargs["json_path"])
         console.print(f"results written to {kwargs['json_path']}")
+    if kwargs["plot_path"]:
+        console.print(f"plot written to {report.write_plot(kwargs['plot_path'])}")
+
+
+@main.command()
+@click.option("--host", default=None, help="Address to bind. Default 127.0.0.1; another address needs a token.")
+@click.option("--port", type=click.IntRange(0, 65535), default=None, help="TCP port (0: any free one). Default 8765.")
+@click.option("--token", default=None, help="Bearer token callers must send (default: env KVTIER_TOKEN; none: no auth).")
+@click.option("--max-namespaces", type=click.IntRange(1), default=None, help="Models held at once. Default 8.")
+@click.option("--max-block-bytes", default=None, help="Largest block, e.g. 64MiB (larger: 413). Default 64MiB.")
+@click.option("--max-batch-blocks", type=click.IntRange(1), default=None, help="Blocks per call (more: 413). Default 1024.")
+@click.option("--durable", is_flag=True, help="Acknowledge a put only once it is committed to DISK (write_through).")
+@click.option("--threads", "num_threads", type=click.IntRange(1), default=None, help="Threads for store calls. Default 8.")
+@config_options
+def serve(**kwargs: Any) -> None:
+    """Run the cache daemon: one store per registered namespace (CPU + DISK, GPU when CUDA is
+    present; the capacities apply per namespace), under --data-dir, reopened on restart.
+    --remote-*, --block-size and --hash-name do not apply (each namespace brings its own
+    block shape; block hashes come from the clients)."""
+    from kvtier.server.serve import serve as run
+    from kvtier.server.settings import ServeConfig
+
+    try:
+        settings = ServeConfig.from_options(config_from_cli(kwargs), kwargs)
+        settings.check_bind()
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    try:
+        run(settings, announce=lambda line: click.echo(line))
+    except (RuntimeError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def _demo_options(kwargs: dict[str, Any]) -> "Any":
@@ -224,6 +259,10 @@ def _s(value: float | None) -> str:
 def _x(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
 
+
+from kvtier.stats_cli import stats as _stats  # noqa: E402  (kvtier stats)
+
+main.add_command(_stats)
 
 if __name__ == "__main__":
     main()

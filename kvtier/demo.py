@@ -197,6 +197,12 @@ class DemoReport:
     def write_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.summary(), indent=2) + "\n")
 
+    def write_plot(self, path: str | Path) -> Path:
+        """TTFT per turn without and with kvtier as a PNG (:func:`kvtier.plots.plot_demo`)."""
+        from kvtier.plots import plot_demo
+
+        return plot_demo(self.summary(), path)
+
 
 def _turn_json(t: TurnResult) -> dict[str, Any]:
     return {

@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import math
 import struct
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -120,3 +121,65 @@ def decode_into(value: memoryview, namespace: bytes, out: torch.Tensor) -> ReadS
     if digest.intdigest() != stored:
         return ReadStatus.CORRUPT
     return ReadStatus.OK
+
+
+# -- streaming (the daemon and its client: a record written or read in pieces) -----------------
+@dataclass(frozen=True, slots=True)
+class RecordHeader:
+    """The fields of a record header that passed :func:`parse_record_header`."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    namespace: bytes
+    payload_nbytes: int
+    seq: int
+    checksum: int
+
+    def digest(self, header: bytes | memoryview) -> "xxhash.xxh3_64":
+        """A running xxh3-64 primed with ``header`` (this record's 96 header bytes): feed it
+        the payload in order with ``update``; the record is intact iff ``intdigest()`` then
+        equals ``checksum``."""
+        return xxhash.xxh3_64(header[: _HEADER.size])
+
+
+def encode_header(namespace: bytes, block: torch.Tensor, seq: int = 0) -> bytes:
+    """The 96-byte header (checksum included) of ``block``'s record, hashing the block in
+    place: ``encode_header(ns, block, seq) + block bytes == encode_record(ns, block, seq)``,
+    so a sender can write the header and then the block's own memory, with no record copy.
+
+    Args:
+        namespace: 32 bytes.
+        block: contiguous CPU tensor of one block, any shape of up to 8 dims, a dtype of
+            :data:`kvtier.types.DTYPE_NAMES`.
+    """
+    assert block.is_contiguous() and block.device.type == "cpu", "block must be contiguous on CPU"
+    shape = list(block.shape)
+    assert len(shape) <= 8 and len(namespace) == 32
+    payload_nbytes = block.numel() * block.element_size()
+    header = _HEADER.pack(
+        _MAGIC, _VERSION, _DTYPE_CODES[DTYPE_NAMES[block.dtype]], len(shape),
+        *(shape + [0] * (8 - len(shape))), namespace, payload_nbytes, seq,
+    )
+    digest = xxhash.xxh3_64(header)
+    if payload_nbytes:
+        digest.update(block.view(torch.uint8).numpy().reshape(-1))
+    return header + _CHECKSUM.pack(digest.intdigest())
+
+
+def parse_record_header(header: bytes | memoryview) -> RecordHeader | None:
+    """Fields of a record's 96-byte header, read before its payload arrives; ``None`` when
+    it is not a consistent kvtier header (magic, version, dtype code, ndim, a payload size
+    that is not ``prod(shape) * itemsize``, a sequence out of range). The caller compares
+    namespace, dtype and shape with what it expects, then verifies the payload with
+    :meth:`RecordHeader.digest`."""
+    if len(header) < HEADER_NBYTES:
+        return None
+    magic, version, dtype_code, ndim, *rest = _HEADER.unpack_from(header)
+    shape, namespace, payload_nbytes, seq = rest[:8], rest[8], rest[9], rest[10]
+    if magic != _MAGIC or version != _VERSION or dtype_code not in _DTYPE_BY_CODE or not 0 < ndim <= 8:
+        return None
+    dtype = _DTYPE_BY_CODE[dtype_code]
+    if payload_nbytes != math.prod(shape[:ndim]) * DTYPES_BY_NAME[dtype].itemsize or seq >= 1 << 62:
+        return None
+    (checksum,) = _CHECKSUM.unpack_from(header, _HEADER.size)
+    return RecordHeader(dtype, tuple(shape[:ndim]), namespace, payload_nbytes, seq, checksum)

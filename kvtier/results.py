@@ -106,3 +106,4 @@ class StoreStats:
     load_failures: Counter = field(default_factory=Counter)  # by reason
     store_failures: Counter = field(default_factory=Counter)  # by reason (DISK full, I/O error)
     loaded_blocks: Counter = field(default_factory=Counter)  # by source medium
+    computed_tokens: int = 0  # prompt tokens the engine prefilled after the cached prefix (set by connectors)

@@ -182,8 +182,9 @@ class TieredStore:
         return None
 
     def lookup(
-        self, block_hashes: Sequence[BlockHash], pin: bool = False, request_id: str | None = None
-    ) -> LookupResult:
+        self, block_hashes: Sequence[BlockHash], pin: bool = False, request_id: str | None = None,
+        blocking: bool = True,
+    ) -> LookupResult | None:
         """Longest prefix of ``block_hashes`` present in any tier, the REMOTE tier last (asked
         only for the blocks after the local prefix, outside the store's lock). Touches no
         LRU order; pins the local part when ``pin``.
@@ -191,10 +192,14 @@ class TieredStore:
         Args:
             request_id: when given, a repeated lookup for the same request (a retried
                 schedule) is not counted again in ``stats`` (case M1).
+            blocking: ``False``: return ``None`` at once if another thread holds the store's
+                lock, and never ask REMOTE (an event loop can call it inline: the daemon).
         """
         self._check_hashes(block_hashes)
         t0 = time.perf_counter()
-        with self._lock:
+        if not self._lock.acquire(blocking=blocking):
+            return None
+        try:
             self._check_open()
             media = self._local_prefix(block_hashes)
             lease = Lease(self, block_hashes[: len(media)]) if pin and media else None
@@ -203,10 +208,17 @@ class TieredStore:
                 self.stats.lookup_blocks += len(block_hashes)
                 for medium in media:
                     self.stats.hit_blocks[medium] += 1
-        num_remote = self._remote_lookup(block_hashes[len(media) :], count)
+        finally:
+            self._lock.release()
+        num_remote = self._remote_lookup(block_hashes[len(media) :], count) if blocking else 0
         media += [Medium.REMOTE] * num_remote
         self._observe("lookup", t0)
         return LookupResult(len(media), media, lease)
+
+    def on_disk(self, block_hashes: Sequence[BlockHash]) -> list[bool]:
+        """Whether each block has a committed DISK record (the daemon's durable puts)."""
+        with self._lock:
+            return [self.disk is not None and h in self.disk for h in block_hashes]
 
     def _local_prefix(self, block_hashes: Sequence[BlockHash]) -> list[Medium]:
         media: list[Medium] = []

@@ -224,7 +224,9 @@ class HFConnector:
             ticket = self.prefetch(tokens)  # a ticket serves one prefill: its lease is gone after
         ticket.used = True
         with torch.no_grad():
-            return self._load_into_cache(ticket, block_hashes)
+            plan = self._load_into_cache(ticket, block_hashes)
+        self.store.stats.computed_tokens += len(tokens) - plan.num_cached_tokens
+        return plan
 
     def _load_into_cache(self, ticket: PrefetchTicket, block_hashes: list[BlockHash]) -> PrefillPlan:
         handle = ticket.handle

@@ -1,0 +1,250 @@
+"""``kvtier stats``: the cache's figures as terminal tables, from a daemon or a local data dir.
+
+- ``--url http://host:port``: ``GET /v1/stats`` of a running ``kvtier serve`` (the document of
+  :mod:`kvtier.dashboard.stats`: lookups, hits per tier, hit rate, evictions, failures,
+  occupancy, bytes moved per path).
+- ``--data-dir DIR`` (default: the demo's ``~/.cache/kvtier``): the DISK tier's LMDB
+  environment, read directly: blocks and bytes per namespace. Event counters live in the
+  process that owns the store, so they are only available through ``--url``. A data dir that a
+  running process has open is refused with a message (the DISK tier allows one owner: see
+  ``kvtier.tiers.disk``); the scan itself holds a shared lock for its few milliseconds.
+
+``--watch`` redraws every ``--interval`` seconds until Ctrl-C; ``--json`` prints the document.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvtier.config import default_data_dir
+
+TOKEN_ENV = "KVTIER_TOKEN"
+
+
+class StatsUnavailable(click.ClickException):
+    """The figures could not be read (daemon unreachable, data dir missing or in use)."""
+
+
+# -- sources ---------------------------------------------------------------------------------------
+def fetch_stats(url: str, token: str | None = None, timeout_s: float = 5.0) -> dict[str, Any]:
+    """``GET {url}/v1/stats`` as a dict.
+
+    Raises:
+        StatsUnavailable: unreachable, refused (401/403: a token is needed), or not JSON.
+    """
+    request = urllib.request.Request(url.rstrip("/") + "/v1/stats", headers={"Accept": "application/json"})
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        hint = f" (pass --token or set {TOKEN_ENV})" if exc.code in (401, 403) else ""
+        raise StatsUnavailable(f"{url}/v1/stats answered HTTP {exc.code}{hint}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise StatsUnavailable(f"cannot reach {url}: {reason}") from None
+    except ValueError as exc:
+        raise StatsUnavailable(f"{url}/v1/stats did not return JSON: {exc}") from None
+
+
+def read_data_dir(data_dir: str | os.PathLike) -> dict[str, Any]:
+    """Blocks and bytes per namespace in ``data_dir/disk`` (LMDB opened read-only).
+
+    Returns:
+        ``{"source": "data-dir", "path", "namespaces": {hex: {"tiers": {"DISK": {...}},
+        "block_bytes"}}, "total": {"tiers": {"DISK": {"blocks", "used_bytes",
+        "capacity_bytes": None}}}, "map_size_bytes", "unreadable_records"}``; ``used_bytes``
+        is the page-rounded footprint, as the DISK tier counts it.
+
+    Raises:
+        StatsUnavailable: no DISK tier there, or a running process has it open.
+    """
+    import fcntl
+
+    import lmdb
+
+    from kvtier.records import HEADER_NBYTES, parse_record_header
+    from kvtier.tiers.disk import record_footprint
+
+    path = Path(data_dir).expanduser() / "disk"
+    if not (path / "data.mdb").exists():
+        raise StatsUnavailable(f"no DISK tier at {path} (nothing stored there yet?)")
+    try:
+        lock_file = open(path / "kvtier.lock", "rb")
+    except OSError as exc:
+        raise StatsUnavailable(f"cannot open {path / 'kvtier.lock'}: {exc}") from None
+    with lock_file:
+        try:
+            fcntl.flock(lock_file.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StatsUnavailable(
+                f"{path} is in use by a running kvtier process (it owns the DISK tier); ask that process "
+                "instead: `kvtier stats --url http://HOST:PORT` for a `kvtier serve` daemon"
+            ) from None
+        env = lmdb.open(str(path), readonly=True, lock=False, subdir=True, max_readers=1)
+        try:
+            page = env.stat()["psize"]
+            namespaces: dict[str, dict[str, Any]] = {}
+            bad = 0
+            with env.begin(buffers=True) as txn:
+                for _, value in txn.cursor():
+                    header = parse_record_header(value)
+                    if header is None or len(value) != HEADER_NBYTES + header.payload_nbytes:
+                        bad += 1
+                        continue
+                    payload_nbytes, ns = header.payload_nbytes, header.namespace.hex()
+                    entry = namespaces.setdefault(ns, {"tiers": {"DISK": {"blocks": 0, "used_bytes": 0,
+                                                                           "capacity_bytes": None}},
+                                                       "block_bytes": payload_nbytes})
+                    entry["tiers"]["DISK"]["blocks"] += 1
+                    entry["tiers"]["DISK"]["used_bytes"] += record_footprint(payload_nbytes, page)
+            map_size = env.info()["map_size"]
+        finally:
+            env.close()
+    total = {"blocks": sum(n["tiers"]["DISK"]["blocks"] for n in namespaces.values()),
+             "used_bytes": sum(n["tiers"]["DISK"]["used_bytes"] for n in namespaces.values()), "capacity_bytes": None}
+    return {"source": "data-dir", "path": str(path), "time": time.time(), "namespaces": namespaces,
+            "total": {"tiers": {"DISK": total}}, "map_size_bytes": map_size, "unreadable_records": bad}
+
+
+# -- tables ----------------------------------------------------------------------------------------
+def _int(n: Any) -> str:
+    return "–" if n is None else f"{n:,}"
+
+
+def _pct(x: Any) -> str:
+    return "–" if x is None else f"{x * 100:.1f}%"
+
+
+def _bytes(n: Any) -> str:
+    if n is None:
+        return "–"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= 20 else name[:16] + "…"
+
+
+def render(doc: dict[str, Any], source: str) -> Any:
+    """The rich renderable for a stats document (daemon) or a data-dir document."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    when = time.strftime("%H:%M:%S", time.localtime(doc.get("time", time.time())))
+    if doc.get("source") == "data-dir":
+        table = Table(title=f"kvtier DISK tier at {doc['path']} (as of {when})", title_justify="left")
+        for name in ("namespace", "blocks", "used", "block bytes"):
+            table.add_column(name, justify="left" if name == "namespace" else "right")
+        for ns, entry in doc["namespaces"].items():
+            disk = entry["tiers"]["DISK"]
+            table.add_row(_short(ns), _int(disk["blocks"]), _bytes(disk["used_bytes"]), _bytes(entry["block_bytes"]))
+        total = doc["total"]["tiers"]["DISK"]
+        table.add_row("total", _int(total["blocks"]), _bytes(total["used_bytes"]), "", style="bold")
+        note = (f"LMDB map {_bytes(doc['map_size_bytes'])}; {doc['unreadable_records']} unreadable records. "
+                "Hit and eviction counters live in the process that owns a store: use --url for a daemon.")
+        return Group(table, Text(note, style="dim"))
+
+    overview = Table(title=f"kvtier stats: {source} (as of {when})", title_justify="left")
+    tiers = list(doc["total"].get("tier_names") or doc["total"]["tiers"])
+    for name in ("namespace", "lookup tokens", "hit rate", *[f"hits {t}" for t in tiers], "computed tokens",
+                 "evicted blocks", "load failures", "TTFT saved"):
+        overview.add_column(name, justify="left" if name == "namespace" else "right")
+    rows = [(_short(n), s) for n, s in doc["namespaces"].items()]
+    if len(rows) != 1:
+        rows.append(("total", doc["total"]))
+    for name, s in rows:
+        failures = sum(f["blocks"] for f in s["load_failures"])
+        ttft = s.get("ttft_saved_s")
+        overview.add_row(
+            name, _int(s["lookup_tokens"]), _pct(s["hit_rate"]), *[_int(s["hit_tokens"].get(t, 0)) for t in tiers],
+            _int(s["computed_tokens"]), _int(sum(s["evicted_blocks"].values())), _int(failures),
+            "n/a" if ttft is None else f"{ttft:.1f} s", style="bold" if name == "total" else None,
+        )
+    total = doc["total"]
+    tier_table = Table(title="tiers (all namespaces)", title_justify="left")
+    for name in ("tier", "used", "capacity", "occupancy", "blocks", "hit tokens", "served tokens", "stored tokens",
+                 "evicted blocks"):
+        tier_table.add_column(name, justify="left" if name == "tier" else "right")
+    for t in tiers:
+        u = total["tiers"].get(t, {})
+        cap = u.get("capacity_bytes")
+        tier_table.add_row(
+            t, _bytes(u.get("used_bytes")), _bytes(cap), _pct(u["used_bytes"] / cap if cap else None),
+            _int(u.get("blocks")), _int(total["hit_tokens"].get(t, 0)), _int(total["served_tokens"].get(t, 0)),
+            _int(total["stored_tokens"].get(t, 0)), _int(total["evicted_blocks"].get(t, 0)),
+        )
+    path_table = Table(title="bytes moved per path (all namespaces)", title_justify="left")
+    for name in ("path", "bytes", "bytes/s (last interval)"):
+        path_table.add_column(name, justify="left" if name == "path" else "right")
+    rates = doc.get("series", {}).get("bytes_per_s", {})
+    for p, n in total["moved_bytes"].items():
+        last = rates.get(p, [])[-1:] or [None]
+        path_table.add_row(p, _bytes(n), "–" if last[0] is None else _bytes(last[0]) + "/s")
+    parts = [overview, tier_table, path_table]
+    failures = [f for f in total["load_failures"] if f["blocks"]]
+    if failures:
+        parts.append(Text("load failures: " + ", ".join(
+            f"{f['tier'] + ' ' if f['tier'] else ''}{f['reason']} {f['blocks']}" for f in failures)))
+    return Group(*parts)
+
+
+# -- the command -----------------------------------------------------------------------------------
+@click.command("stats")
+@click.option("--url", default=None, help="Base URL of a `kvtier serve` daemon, e.g. http://127.0.0.1:8765.")
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Local data dir whose DISK tier to read (default ~/.cache/kvtier, the demo's) when --url "
+                   "is not given.")
+@click.option("--token", envvar=TOKEN_ENV, default=None, help=f"Bearer token of the daemon (env {TOKEN_ENV}).")
+@click.option("--watch", is_flag=True, help="Redraw every --interval seconds until Ctrl-C.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="Seconds between redraws with --watch.")
+@click.option("--json", "as_json", is_flag=True, help="Print the stats document as JSON instead of tables.")
+def stats(url: str | None, data_dir: Path | None, token: str | None, watch: bool, interval: float,
+          as_json: bool) -> None:
+    """Hit rate, hits per tier, evictions, failures, occupancy and bytes moved, as tables."""
+    from rich.console import Console
+
+    if url is not None and data_dir is not None:
+        raise click.UsageError("give --url or --data-dir, not both")
+    source = url if url is not None else str(Path(data_dir or default_data_dir()).expanduser())
+
+    def read() -> dict[str, Any]:
+        return fetch_stats(url, token) if url is not None else read_data_dir(data_dir or default_data_dir())
+
+    console = Console()
+    if as_json:
+        click.echo(json.dumps(read(), indent=2))
+        return
+    if not watch:
+        console.print(render(read(), source))
+        return
+    from rich.live import Live
+    from rich.text import Text
+
+    with Live(console=console, auto_refresh=False) as live:
+        try:
+            while True:
+                try:
+                    view = render(read(), source)
+                except StatsUnavailable as exc:  # keep watching: a daemon may come back
+                    view = Text(f"{exc.message} (retrying every {interval:g} s)", style="red")
+                live.update(view, refresh=True)
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            pass
