@@ -1,0 +1,589 @@
+"""REMOTE tier on Redis or Redis Cluster (redis-py), shared by many engine processes.
+
+Implements :class:`kvtier.tiers.backend.RemoteBackend`. One Redis string per block::
+
+    key   = b"kvtier:" + namespace.hex() + b":" + block_hash.hex()
+    value = block record (kvtier.records: 96-byte header + xxh3 checksum + raw block bytes)
+    spec  = b"kvtier:" + namespace.hex() + b":spec" -> msgpack of the namespace's KVSpec
+
+Hex keys keep ``redis-cli --scan --pattern 'kvtier:<namespace hex>:*'`` usable to inspect
+or clear one namespace. Every read is verified (:func:`kvtier.records.decode_into`); a value
+that fails is ``CORRUPT``, never served, and is deleted so the next put repairs it.
+
+Round trips: ``lookup`` is one pipeline of ``EXISTS`` (one round trip; on a cluster one per
+node, written to every node before any reply is read), ``get_into`` and ``put`` are pipelines
+of ``GET`` / ``SET NX`` in chunks of at most ``max_batch_bytes``.
+
+Copies: a put sends the record header and then the block's own memory (redis-py's Python
+command packer passes large buffers to ``sendall`` untouched; :func:`client_options` makes
+it the packer even when hiredis is installed, whose packer copies each value twice); the
+checksum is computed over the block in place. A get receives a ``bytes`` reply (hiredis
+parses it when installed) and :func:`~kvtier.records.decode_into` copies it into the
+caller's tensor while hashing: one copy after redis-py's.
+
+Namespaces: every call needs ``register(namespace, spec)`` first (the spec validates the
+caller's tensors). The spec is kept under the namespace's ``:spec`` key with ``SET NX``, so a
+second process with another spec gets ``ValueError``; it is checked again after every outage
+(a restarted server may have come back empty). Records carry namespace, dtype and shape in
+their header, so even a spec key lost to eviction never lets a mismatched block through.
+
+Cluster slots: keys carry no hash tag, so each block lands on its own slot and a request's
+blocks spread over every primary (its reads and writes use all nodes at once, and one hot
+prefix does not fill one node). The price is that multi-key commands (``MGET``, ``EXISTS k1
+k2``) cannot span the keys; per-key commands in a pipeline cost the same round trips, because
+redis-py's ``ClusterPipeline`` groups them by node. A hash tag per namespace would put a whole
+model's cache on a single slot, i.e. one node.
+
+Eviction is Redis's: run the server with ``maxmemory <bytes>`` and
+``maxmemory-policy allkeys-lru`` (or ``allkeys-lfu``). Under ``noeviction`` a full server
+answers ``OOM`` and puts return ``False`` (counted as ``oom``). Optional TTL: ``ttl_s``
+(constructor or ``?ttl_s=`` in the URL) expires a block that long after its first write.
+
+Failures (the backend contract): nothing here raises for a remote-side problem. A refused
+connection, a timeout (``timeout_s`` per socket operation), a cluster that is down or a
+protocol error is a miss counted in ``errors`` by reason (``unavailable``, ``timeout``,
+``corrupt``, ``oom``, ``protocol``, ``conflict``); after one, calls return misses at once
+(counted as ``skipped``) for a backoff of 50 ms doubling up to 1 s, then the next call
+reconnects. redis-py retries a failed connection once (a pooled socket that went stale
+across a server restart) and never retries a timeout, so one call to a single node waits at
+most about ``2 * timeout_s``. On a cluster, a call whose keys include a node that is down
+is a miss as a whole (redis-py fails the pipeline), until the node is back or failed over.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from typing import Any, Sequence
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import msgpack
+import torch
+
+try:
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.cluster import RedisCluster
+    from redis.exceptions import (
+        AskError, ClusterDownError, MovedError, OutOfMemoryError, RedisClusterException, RedisError, ResponseError,
+        TryAgainError,
+    )
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+    from redis.connection import Connection, PythonRespSerializer, SSLConnection
+    from redis.retry import Retry
+except ImportError:  # only RedisTier needs it
+    redis = None  # type: ignore[assignment]
+
+from kvtier.records import ReadStatus, decode_into, encode_header, encode_record, record_nbytes
+from kvtier.types import KV_LAYOUT, BlockHash, KVSpec, dtype_name
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX = b"kvtier:"
+_BACKOFF_MIN_S = 0.05
+_BACKOFF_MAX_S = 1.0
+_NAMESPACE_NBYTES = 32
+
+
+class RedisTier:
+    """Block store on a Redis server or Redis Cluster.
+
+    Args:
+        url: ``redis://[[user]:password@]host:port[/db]``, ``rediss://...`` (TLS) or
+            ``redis+cluster://[[user]:password@]host:port`` (any node of the cluster; the
+            client discovers the rest). Query ``?ttl_s=SECONDS`` sets ``ttl_s``; other query
+            parameters go to redis-py.
+        timeout_s: seconds for each connect and socket read/write.
+        ttl_s: expire each block this many seconds after its first write; ``None``: never
+            (Redis's eviction policy decides).
+        max_batch_bytes: most record bytes in one ``GET``/``SET`` pipeline (bounds the memory
+            a batch holds; a larger batch is sent in several pipelines).
+
+    Raises:
+        ValueError: a bad URL, scheme, ``ttl_s``, ``timeout_s`` or ``max_batch_bytes``.
+        ImportError: redis-py is not installed.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = 2.0,
+        ttl_s: float | None = None,
+        max_batch_bytes: int = 64 << 20,
+    ) -> None:
+        if redis is None:
+            raise ImportError("RedisTier needs redis-py: pip install redis")
+        client_url, cluster, url_ttl_s = _parse_url(url)
+        ttl_s = url_ttl_s if ttl_s is None else ttl_s
+        if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not ttl_s > 0):
+            raise ValueError(f"expected ttl_s > 0 seconds or None, got {ttl_s!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"expected timeout_s > 0 seconds, got {timeout_s!r}")
+        if not isinstance(max_batch_bytes, int) or max_batch_bytes <= 0:
+            raise ValueError(f"expected max_batch_bytes > 0, got {max_batch_bytes!r}")
+        self.url = _redact(url)
+        self.cluster = cluster
+        self.timeout_s = float(timeout_s)
+        self.ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
+        self.max_batch_bytes = max_batch_bytes
+        self.errors: Counter = Counter()
+        self._client_url = client_url
+        self._client: Any = None  # redis.Redis | redis.cluster.RedisCluster, made on first use
+        self._specs: dict[bytes, KVSpec] = {}
+        self._unregistered: set[bytes] = set()  # known locally, not yet on the server
+        self._conflicts: set[bytes] = set()  # the server holds another spec: never used
+        self._lock = threading.Lock()  # guards the fields above and the backoff state
+        self._down_until = 0.0
+        self._backoff_s = _BACKOFF_MIN_S
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"RedisTier({self.url!r}, timeout_s={self.timeout_s})"
+
+    # -- contract --------------------------------------------------------------------------
+    def register(self, namespace: bytes, spec: KVSpec) -> None:
+        """Declare ``namespace``'s block shape and dtype (idempotent).
+
+        Raises:
+            ValueError: a bad namespace, ``spec`` differs from an earlier registration of
+                ``namespace`` (here or, through the server, in another process).
+            TypeError: ``spec`` is not a :class:`KVSpec`.
+        """
+        _check_namespace(namespace)
+        if not isinstance(spec, KVSpec):
+            raise TypeError(f"expected a KVSpec, got {type(spec).__name__}")
+        with self._lock:
+            known = self._specs.get(namespace)
+            if known is not None and known != spec:
+                raise ValueError(f"namespace {namespace.hex()[:16]} is registered with {known}, got {spec}")
+            if namespace in self._conflicts:
+                raise ValueError(f"namespace {namespace.hex()[:16]} is registered on {self.url} with another spec")
+            self._specs[namespace] = spec
+            if known is None:
+                self._unregistered.add(namespace)
+        if namespace in self._unregistered:
+            registered, theirs = self._register_on_server(namespace)
+            if registered is False:
+                with self._lock:
+                    self._unregistered.discard(namespace)
+                    if known is None:
+                        self._specs.pop(namespace, None)  # as if never called
+                    else:
+                        self._conflicts.add(namespace)  # in use: later calls are misses
+                raise ValueError(f"namespace {namespace.hex()[:16]} is registered on {self.url} with {theirs}, got {spec}")
+
+    def lookup(self, namespace: bytes, block_hashes: Sequence[BlockHash]) -> int:
+        """Number of leading ``block_hashes`` present (0 when Redis is unreachable).
+
+        Raises:
+            ValueError: unregistered namespace or a bad block hash.
+        """
+        self._spec_of(namespace)
+        _check_hashes(block_hashes)
+        if not block_hashes or not self._usable(namespace):
+            return 0
+        keys = [self._key(namespace, h) for h in block_hashes]
+        replies = self._pipeline([("EXISTS", k) for k in keys])
+        if isinstance(replies, BaseException):
+            return 0
+        present = 0
+        for reply in replies:
+            if isinstance(reply, Exception):
+                self._fail(reply)
+                break
+            if reply != 1:
+                break
+            present += 1
+        return present
+
+    def get_into(
+        self, namespace: bytes, block_hashes: Sequence[BlockHash], outs: Sequence[torch.Tensor]
+    ) -> list[ReadStatus]:
+        """Read each block into ``outs[i]`` and verify it.
+
+        Args:
+            outs: one contiguous CPU tensor per hash, of ``spec.block_shape`` and
+                ``spec.dtype`` (the registered spec).
+
+        Returns:
+            one status per block; ``outs[i]`` holds the block's exact bytes iff it is ``OK``.
+            The first non-OK block ends the read: the ones after it are ``MISSING``.
+
+        Raises:
+            ValueError: unregistered namespace, bad hash, wrong number/shape/dtype of ``outs``.
+        """
+        spec = self._spec_of(namespace)
+        _check_hashes(block_hashes)
+        _check_tensors(outs, len(block_hashes), spec, "outs")
+        statuses = [ReadStatus.MISSING] * len(block_hashes)
+        if not block_hashes:
+            return statuses
+        if not self._usable(namespace):
+            return [ReadStatus.UNAVAILABLE] * len(block_hashes)
+        chunk = max(1, self.max_batch_bytes // record_nbytes(spec.block_nbytes))
+        for start in range(0, len(block_hashes), chunk):
+            keys = [self._key(namespace, h) for h in block_hashes[start : start + chunk]]
+            replies = self._pipeline([("GET", k) for k in keys])
+            if isinstance(replies, BaseException):
+                statuses[start:] = [_status_of(replies)] * (len(block_hashes) - start)
+                return statuses
+            for i, (key, reply) in enumerate(zip(keys, replies), start):
+                status = self._decode(namespace, key, reply, outs[i])
+                statuses[i] = status
+                if status is not ReadStatus.OK:
+                    return statuses
+        return statuses
+
+    def put(self, namespace: bytes, block_hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor]) -> list[bool]:
+        """Write blocks with ``SET NX`` (a block already present stays as it is).
+
+        Args:
+            blocks: one contiguous CPU tensor per hash, of the registered spec's
+                ``block_shape`` and dtype.
+
+        Returns:
+            ``True`` for each block Redis holds after the call (written now or before).
+
+        Raises:
+            ValueError: unregistered namespace, bad hash, wrong number/shape/dtype of ``blocks``.
+        """
+        spec = self._spec_of(namespace)
+        _check_hashes(block_hashes)
+        _check_tensors(blocks, len(block_hashes), spec, "blocks")
+        results = [False] * len(block_hashes)
+        if not block_hashes or not self._usable(namespace):
+            return results
+        options = {"nx": True} if self.ttl_ms is None else {"nx": True, "px": self.ttl_ms}
+        chunk = max(1, self.max_batch_bytes // record_nbytes(spec.block_nbytes))
+        for start in range(0, len(block_hashes), chunk):
+            commands = [
+                ("SET", self._key(namespace, h), _record_value(namespace, b), options)
+                for h, b in zip(block_hashes[start : start + chunk], blocks[start : start + chunk])
+            ]
+            replies = self._pipeline(commands)
+            if isinstance(replies, BaseException):
+                return results
+            for i, reply in enumerate(replies, start):
+                if isinstance(reply, Exception):
+                    self._fail(reply)
+                else:
+                    results[i] = True  # True: written; None: NX found it present
+        return results
+
+    def close(self) -> None:
+        """Release connections. Idempotent; later calls return misses."""
+        with self._lock:
+            self._closed = True
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception as exc:  # a broken socket must not fail a shutdown
+                logger.debug("RedisTier close: %s", exc)
+
+    # -- namespaces ------------------------------------------------------------------------
+    def _spec_of(self, namespace: bytes) -> KVSpec:
+        spec = self._specs.get(namespace)
+        if spec is None:
+            _check_namespace(namespace)
+            raise ValueError(f"namespace {namespace.hex()[:16]} is not registered: call register(namespace, spec) first")
+        return spec
+
+    def _usable(self, namespace: bytes) -> bool:
+        """The namespace is registered on the server and Redis is not in backoff."""
+        if self._closed or namespace in self._conflicts:
+            self.errors["conflict" if namespace in self._conflicts else "closed"] += 1
+            return False
+        if time.monotonic() < self._down_until:
+            self.errors["skipped"] += 1
+            return False
+        if namespace in self._unregistered:
+            registered, theirs = self._register_on_server(namespace)
+            if registered is False:
+                with self._lock:
+                    self._conflicts.add(namespace)
+                    self._unregistered.discard(namespace)
+                logger.error(
+                    "RedisTier: namespace %s is registered on %s with %s, not %s; it stays a miss",
+                    namespace.hex()[:16], self.url, theirs, self._specs[namespace],
+                )
+                self.errors["conflict"] += 1
+            return bool(registered)
+        return True
+
+    def _register_on_server(self, namespace: bytes) -> tuple[bool | None, object]:
+        """``SET NX`` the spec key. ``(True, _)``: registered, or the same spec was there;
+        ``(False, their spec)``: the server holds another spec; ``(None, _)``: the server
+        could not be asked (retried on the next call)."""
+        ours = _spec_record(self._specs[namespace])
+        key = self._spec_key(namespace)
+        replies = self._pipeline([("SET", key, ours, {"nx": True}), ("GET", key)])
+        if isinstance(replies, BaseException):
+            return None, None
+        for reply in replies:
+            if isinstance(reply, Exception):
+                self._fail(reply)
+                return None, None
+        stored = replies[1]
+        if stored != ours:
+            try:
+                theirs = msgpack.unpackb(stored)
+            except Exception:
+                theirs = f"an unreadable value of {len(stored or b'')} bytes"
+            if theirs != msgpack.unpackb(ours):
+                return False, theirs
+        with self._lock:
+            self._unregistered.discard(namespace)
+        return True, None
+
+    # -- keys and values -------------------------------------------------------------------
+    @staticmethod
+    def _key(namespace: bytes, block_hash: bytes) -> bytes:
+        return b"%s%s:%s" % (KEY_PREFIX, namespace.hex().encode(), block_hash.hex().encode())
+
+    @staticmethod
+    def _spec_key(namespace: bytes) -> bytes:
+        return b"%s%s:spec" % (KEY_PREFIX, namespace.hex().encode())
+
+    def _decode(self, namespace: bytes, key: bytes, reply: object, out: torch.Tensor) -> ReadStatus:
+        if reply is None:
+            return ReadStatus.MISSING
+        if isinstance(reply, Exception):
+            self._fail(reply)
+            return _status_of(reply)
+        status = decode_into(memoryview(reply), namespace, out)
+        if status is ReadStatus.CORRUPT:
+            self.errors["corrupt"] += 1
+            logger.warning("RedisTier: corrupt value at %s on %s; deleting it", key[:40], self.url)
+            self._pipeline([("DEL", key)])  # best effort: the next put writes it again
+        return status
+
+    # -- connection ------------------------------------------------------------------------
+    def _pipeline(self, commands: Sequence[tuple]) -> list | BaseException:
+        """Run ``commands`` (``(name, *args[, options dict])``) in one non-transactional
+        pipeline: the replies (a per-command error as an exception object), or the exception
+        when the whole pipeline failed (counted, backoff started)."""
+        try:
+            client = self._connect()
+            pipe = client.pipeline(transaction=False)
+            for name, *args in commands:
+                options = args.pop() if args and isinstance(args[-1], dict) else {}
+                if name == "SET":
+                    pipe.set(*args, **options)
+                else:
+                    pipe.execute_command(name, *args)
+            replies = pipe.execute(raise_on_error=False)
+        except (RedisError, RedisClusterException, OSError) as exc:
+            self._fail(exc)
+            return exc
+        if not any(isinstance(r, Exception) and not _command_error(r) for r in replies):
+            self._succeeded()  # (a cluster pipeline reports a node that is down per command)
+        return replies
+
+    def _connect(self):
+        client = self._client
+        if client is not None:
+            return client
+        with self._lock:
+            if self._closed:
+                raise RedisConnectionError("RedisTier is closed")
+            if self._client is None:
+                self._client = self._make_client()
+            return self._client
+
+    def _make_client(self):
+        options = client_options(self.timeout_s, tls=self._client_url.startswith("rediss:"))
+        if self.cluster:
+            # Connects to discover the slot map: raises while the cluster is down (retried
+            # on the next call after the backoff).
+            return RedisCluster.from_url(self._client_url, retry=Retry(NoBackoff(), 1), **options)
+        # One retry, on connection errors only: a pooled socket broken by a server restart.
+        retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+        return redis.Redis.from_url(self._client_url, retry=retry, **options)
+
+    def _fail(self, exc: BaseException) -> None:
+        message = str(exc)
+        if _command_error(exc):
+            reason = "oom" if isinstance(exc, OutOfMemoryError) or message.startswith("OOM") else "protocol"
+            self.errors[reason] += 1
+            count = self.errors[reason]
+            if count & (count - 1) == 0:  # the 1st, 2nd, 4th, 8th, ...: a full server logs a few lines, not one per block
+                logger.warning("RedisTier: %s from %s (%d so far): %s", reason, self.url, count, message)
+            return
+        self.errors["timeout" if isinstance(exc, RedisTimeoutError) else "unavailable"] += 1
+        with self._lock:
+            # The server may come back empty (restart without persistence, failover): check
+            # the namespaces' specs again before the next use.
+            self._unregistered.update(ns for ns in self._specs if ns not in self._conflicts)
+            self._down_until = time.monotonic() + self._backoff_s
+            logger.warning("RedisTier: %s unreachable (%s: %s); misses for %.2f s",
+                           self.url, type(exc).__name__, message, self._backoff_s)
+            self._backoff_s = min(2 * self._backoff_s, _BACKOFF_MAX_S)
+
+    def _succeeded(self) -> None:
+        if self._backoff_s != _BACKOFF_MIN_S:
+            with self._lock:
+                self._backoff_s = _BACKOFF_MIN_S
+
+
+# -- zero-copy record values ----------------------------------------------------------------
+_READ_NBYTES = 1 << 20
+"""Socket reads of 1 MiB (redis-py's default is 64 KiB): a 2 MiB block's reply in 2 reads."""
+
+
+class _RecordValue:
+    """A ``SET`` value sent as two buffers: the record header (kvtier.records.encode_header,
+    which hashes the block in place) and the block's own memory, so the record is never
+    assembled in a new buffer. Only :class:`_Packer` knows how to send it."""
+
+    __slots__ = ("header", "payload")
+
+    def __init__(self, namespace: bytes, block: torch.Tensor) -> None:
+        self.header = encode_header(namespace, block, 0)
+        self.payload = memoryview(block.view(torch.uint8).numpy().reshape(-1))
+
+    def __len__(self) -> int:
+        return len(self.header) + len(self.payload)
+
+
+if redis is not None:
+
+    class _Packer(PythonRespSerializer):
+        """redis-py's Python command packer (large arguments go to ``sendall`` as they are,
+        where the hiredis packer, used whenever hiredis is installed, copies each one twice),
+        plus :class:`_RecordValue` arguments written as header, payload, ``CRLF``."""
+
+        def pack(self, *args):
+            if not any(isinstance(arg, _RecordValue) for arg in args):
+                return super().pack(*args)
+            output: list = []
+            pieces = [b"*%d\r\n" % len(args)]
+            for arg in args:
+                if isinstance(arg, _RecordValue):
+                    pieces += [b"$%d\r\n" % len(arg), arg.header]
+                    output += [b"".join(pieces), arg.payload]
+                    pieces = [b"\r\n"]
+                else:
+                    arg = self.encode(arg)
+                    pieces += [b"$%d\r\n" % len(arg), arg, b"\r\n"]
+            output.append(b"".join(pieces))
+            return output
+
+    class _PackWithRecords:
+        """Connection mixin: commands are packed by :class:`_Packer`; replies are parsed as
+        usual (by hiredis when it is installed). ``_construct_command_packer`` is redis-py's
+        hook for the packer (a release without it gets whole records: :func:`_record_value`)."""
+
+        def _construct_command_packer(self, packer):
+            if packer is None:
+                return _Packer(getattr(self, "_buffer_cutoff", 6000), self.encoder.encode)
+            return super()._construct_command_packer(packer)
+
+    class _Connection(_PackWithRecords, Connection):
+        pass
+
+    class _SSLConnection(_PackWithRecords, SSLConnection):
+        pass
+
+
+def client_options(timeout_s: float, tls: bool = False) -> dict[str, Any]:
+    """The redis-py client options RedisTier uses: ``timeout_s`` for connects and socket
+    reads/writes, 1 MiB socket reads, and connections that send large ``bytes``/
+    ``memoryview`` arguments without copying them (also what bench/server.py's raw redis-py
+    baseline uses, so that it differs from RedisTier only by the records)."""
+    return dict(
+        socket_timeout=timeout_s, socket_connect_timeout=timeout_s, socket_read_size=_READ_NBYTES,
+        connection_class=_SSLConnection if tls else _Connection,
+    )
+
+
+def _record_value(namespace: bytes, block: torch.Tensor):
+    """The ``SET`` value of ``block``'s record: zero-copy where redis-py has the packer hook."""
+    if hasattr(Connection, "_construct_command_packer"):
+        return _RecordValue(namespace, block)
+    return memoryview(encode_record(namespace, block, 0))
+
+
+# -- helpers -------------------------------------------------------------------------------
+def _parse_url(url: str) -> tuple[str, bool, float | None]:
+    """``(url for redis-py, is cluster, ttl_s from the query)``."""
+    if not isinstance(url, str):
+        raise ValueError(f"expected a redis:// URL string, got {type(url).__name__}")
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in ("redis", "rediss", "redis+cluster") or not parts.hostname:
+        raise ValueError(f"expected redis://host:port[/db], rediss://... or redis+cluster://host:port, got {_redact(url)!r}")
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    ttl_s = None
+    rest = []
+    for name, value in query:
+        if name == "ttl_s":
+            try:
+                ttl_s = float(value)
+            except ValueError:
+                raise ValueError(f"expected ?ttl_s=SECONDS, got {value!r}") from None
+        else:
+            rest.append((name, value))
+    cluster = scheme == "redis+cluster"
+    client_scheme = "redis" if cluster else scheme
+    return urlunsplit((client_scheme, parts.netloc, parts.path, urlencode(rest), "")), cluster, ttl_s
+
+
+def _redact(url: str) -> str:
+    """``url`` without its password (for logs and repr)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit((parts.scheme, f"{user}:***@{netloc}", parts.path, parts.query, ""))
+
+
+def _spec_record(spec: KVSpec) -> bytes:
+    return msgpack.packb(
+        {
+            "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+            "block_size": spec.block_size, "dtype": dtype_name(spec.dtype), "kv_layout": KV_LAYOUT,
+        },
+        use_bin_type=True,
+    )
+
+
+def _command_error(exc: BaseException) -> bool:
+    """An error reply to one command (``OOM``, a wrong type): the server is up. MOVED/ASK/
+    CLUSTERDOWN/TRYAGAIN also come as ResponseError subclasses, but mean a cluster that is
+    changing or down."""
+    return isinstance(exc, ResponseError) and not isinstance(exc, (AskError, ClusterDownError, MovedError, TryAgainError))
+
+
+def _status_of(exc: BaseException | None) -> ReadStatus:
+    return ReadStatus.TIMEOUT if isinstance(exc, RedisTimeoutError) else ReadStatus.UNAVAILABLE
+
+
+def _check_namespace(namespace: bytes) -> None:
+    if not isinstance(namespace, bytes) or len(namespace) != _NAMESPACE_NBYTES:
+        got = f"{type(namespace).__name__} of length {len(namespace)}" if hasattr(namespace, "__len__") else type(namespace).__name__
+        raise ValueError(f"expected a namespace of {_NAMESPACE_NBYTES} bytes, got {got}")
+
+
+def _check_hashes(block_hashes: Sequence[BlockHash]) -> None:
+    """Same rule as the store: ``bytes`` of 1..511 bytes."""
+    for h in block_hashes:
+        if not isinstance(h, bytes) or not 0 < len(h) <= 511:
+            got = f"{type(h).__name__} of length {len(h)}" if hasattr(h, "__len__") else type(h).__name__
+            raise ValueError(f"expected block hashes as bytes of 1..511 bytes, got {got}")
+
+
+def _check_tensors(tensors: Sequence[torch.Tensor], n: int, spec: KVSpec, name: str) -> None:
+    if len(tensors) != n:
+        raise ValueError(f"expected {n} {name} (one per block hash), got {len(tensors)}")
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"expected {name} to be tensors, got {type(t).__name__}")
+        if tuple(t.shape) != spec.block_shape or t.dtype != spec.dtype:
+            raise ValueError(f"expected {name} of shape {spec.block_shape} and dtype {spec.dtype}, got {tuple(t.shape)} {t.dtype}")
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"expected {name} as contiguous CPU tensors, got device {t.device}, contiguous={t.is_contiguous()}")
