@@ -155,7 +155,8 @@ def figures(store: "TieredStore") -> StoreFigures:
     f.stored_blocks = _by_tier(stats.stored_blocks)
     f.evicted_blocks = _by_tier(stats.evicted_blocks)
     f.store_failures = _by_tier(stats.store_failures)
-    for key, n in _copy(stats.load_failures).items():
+    by_tier = getattr(stats, "load_failures_by_tier", None)
+    for key, n in _copy(by_tier or stats.load_failures).items():
         tier, reason = (str(key[0]), str(key[1])) if isinstance(key, tuple) else ("", str(key))
         f.load_failures[(tier, reason)] = f.load_failures.get((tier, reason), 0) + int(n)
     # Every path this store can take, at 0 until used (so that rate() works from the start).

@@ -104,6 +104,7 @@ class StoreStats:
     evicted_blocks: Counter = field(default_factory=Counter)  # by medium
     spilled_blocks: Counter = field(default_factory=Counter)  # by destination medium
     load_failures: Counter = field(default_factory=Counter)  # by reason
+    load_failures_by_tier: Counter = field(default_factory=Counter)  # the same events by (source medium, reason)
     store_failures: Counter = field(default_factory=Counter)  # by reason (DISK full, I/O error)
     loaded_blocks: Counter = field(default_factory=Counter)  # by source medium
     computed_tokens: int = 0  # prompt tokens the engine prefilled after the cached prefix (set by connectors)

@@ -249,6 +249,7 @@ def _publish(store: "TieredStore", handle: PrefetchHandle) -> LoadResult:
                 store.pool(medium).free(b.block_hash)
         if not b.ok:
             store.stats.load_failures[b.reason or "error"] += 1
+            store.stats.load_failures_by_tier[(str(b.source), b.reason or "error")] += 1
             if b.source is Medium.DISK and b.reason in ("corrupt", "missing") and store.disk is not None:
                 store.disk.remove([b.block_hash])  # never claim it again
     loaded = handle.blocks[:num_ok]

@@ -99,9 +99,9 @@ def test_corrupt_disk_record_counts_one_load_failure_and_no_load(make_store, nam
     assert loaded.block_ids == []
     loaded.lease.release()
     s = scrape(registry)
-    corrupt = [v for (name, labels), v in s.items()
+    corrupt = [(dict(labels)["tier"], v) for (name, labels), v in s.items()
                if name == "kvtier_load_failures_total" and dict(labels)["reason"] == "corrupt"]
-    assert corrupt == [1]
+    assert corrupt == [("DISK", 1)]
     assert value(s, "kvtier_loaded_blocks_total", namespace="ns", tier="DISK") == 0
     assert value(s, "kvtier_hit_blocks_total", namespace="ns", tier="DISK") >= 1
 
