@@ -1,0 +1,192 @@
+"""Keys for vLLM requests: the engine-wide key fields, per-request roots, chained hashes.
+
+Both sides of the connector derive the same keys from the same ``VllmConfig`` (the scheduler
+hashes, the worker's store checks every DISK/REMOTE record against its namespace):
+
+- :class:`EngineKey` holds what is fixed for an engine: model id, weights fingerprint, K/V
+  dtype, block layout, ``block_size``, TP size and the hash function.
+- The store namespace of TP rank ``r`` is ``KeyContext(**engine fields, tp_rank=r)``.
+- A request's chain root adds what varies per request, LoRA adapter and ``cache_salt``:
+  ``KeyContext(..., tp_rank=r, lora_name, lora_version, cache_salt).namespace()``. Two tenants
+  (or adapters) never share a block, while every record still carries the rank's namespace.
+- ``block_hash[i]`` chains over the request's tokens from that root
+  (:func:`kvtier.hashing.hash_block_tokens`), so hashes are the same in every process and
+  after restarts, and a restarted engine or another replica on the same DISK/REMOTE tier hits.
+
+No vLLM import here: the functions take the config objects and read plain attributes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.hashing import KeyContext, hash_block_tokens
+from kvtier.types import BlockHash
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+"""Files whose bytes change the model's K/V, hashed by :func:`model_fingerprint` (with
+``config.json``)."""
+
+_CHUNK_BYTES = 64 << 20
+
+
+@functools.lru_cache(maxsize=8)
+def model_fingerprint(model_dir: str) -> str:
+    """xxh3-128 hex digest of a local model directory: ``config.json`` and every weight file
+    (name, size and bytes; 64 MiB at a time, ~0.1 s per GB). Two checkpoints of one
+    architecture, or one checkpoint with another RoPE config, never share blocks.
+
+    Raises:
+        FileNotFoundError: ``model_dir`` is not a directory.
+    """
+    import xxhash
+
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"expected a model directory, got {model_dir!r}")
+    digest = xxhash.xxh3_128()
+    files = sorted(
+        p for p in root.rglob("*")
+        if p.is_file() and (p.name == "config.json" or p.name.endswith(WEIGHT_SUFFIXES))
+    )
+    for path in files:
+        digest.update(f"{path.relative_to(root)}|{path.stat().st_size}|".encode())
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK_BYTES):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def model_revision_for(model_config: Any, override: str | None = None) -> str:
+    """The ``model_revision`` key field: ``override`` when given; else the fingerprint of the
+    model directory (a local path, or the Hugging Face snapshot already on disk); else
+    ``"<hub revision or 'main'>"`` with a warning (weights are then identified by name only).
+    """
+    if override:
+        return override
+    model = str(model_config.model)
+    if os.path.isdir(model):
+        return model_fingerprint(os.path.abspath(model))
+    revision = getattr(model_config, "revision", None)
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(model, revision=revision, local_files_only=True)
+        return model_fingerprint(path)
+    except Exception:  # noqa: BLE001  (not downloaded, not a hub id, offline: fall back to the name)
+        logger.warning("kvtier: cannot fingerprint %s; keying its blocks by name and revision only", model)
+        return f"hub:{revision or 'main'}"
+
+
+@dataclass(frozen=True)
+class EngineKey:
+    """The key fields fixed for one engine (see the module docstring).
+
+    Attributes:
+        model_id: model name as served (``served_model_name``, else the model path).
+        model_revision: :func:`model_revision_for`.
+        dtype: K/V dtype name (``kvtier.types.dtype_name``).
+        kv_layout: block layout name (:func:`kvtier.connectors.vllm.layout.layout_name`).
+        block_size: tokens per block (vLLM's ``block_size``).
+        tp_size: tensor-parallel world size.
+        hash_name: ``"sha256"`` or ``"xxh3_128"``.
+    """
+
+    model_id: str
+    model_revision: str
+    dtype: str
+    kv_layout: str
+    block_size: int
+    tp_size: int = 1
+    hash_name: str = "sha256"
+
+    def context(
+        self,
+        tp_rank: int,
+        lora_name: str | None = None,
+        lora_version: str | None = None,
+        cache_salt: str | None = None,
+    ) -> KeyContext:
+        """The :class:`KeyContext` of rank ``tp_rank``; with the request fields for a root."""
+        return KeyContext(
+            model_id=self.model_id,
+            model_revision=self.model_revision,
+            dtype=self.dtype,
+            kv_layout=self.kv_layout,
+            block_size=self.block_size,
+            tp_rank=tp_rank,
+            tp_size=self.tp_size,
+            lora_name=lora_name,
+            lora_version=lora_version,
+            cache_salt=cache_salt,
+            hash_name=self.hash_name,  # type: ignore[arg-type]
+        )
+
+    def namespace(self, tp_rank: int) -> bytes:
+        """The store namespace of rank ``tp_rank`` (no request fields)."""
+        return self.context(tp_rank).namespace()
+
+
+def request_key_fields(request: Any) -> tuple[str | None, str | None, str | None]:
+    """``(lora_name, lora_version, cache_salt)`` of a vLLM ``Request``. The LoRA version is
+    its path (a retrained adapter under the same name must miss) and int id."""
+    lora = getattr(request, "lora_request", None)
+    lora_name = lora_version = None
+    if lora is not None:
+        lora_name = str(lora.lora_name)
+        lora_version = f"{getattr(lora, 'lora_path', '')}#{getattr(lora, 'lora_int_id', '')}"
+    salt = getattr(request, "cache_salt", None)
+    return lora_name, lora_version, (str(salt) if salt is not None else None)
+
+
+@dataclass
+class HashChain:
+    """The block hashes of one request on one TP rank, extended as its tokens grow.
+
+    Attributes:
+        root: the request's chain root (a namespace digest).
+        block_size: tokens per block.
+        hash_name: ``"sha256"`` or ``"xxh3_128"``.
+        hashes: ``block_hash[0..n)`` computed so far.
+    """
+
+    root: bytes
+    block_size: int
+    hash_name: str = "sha256"
+    hashes: list[BlockHash] = field(default_factory=list)
+
+    def upto(self, token_ids: Sequence[int], num_blocks: int) -> list[BlockHash]:
+        """Hashes of blocks ``0..num_blocks`` of ``token_ids`` (which must hold at least
+        ``num_blocks * block_size`` tokens and start with the tokens hashed before).
+
+        Raises:
+            ValueError: ``token_ids`` is shorter than ``num_blocks`` full blocks.
+        """
+        if num_blocks * self.block_size > len(token_ids):
+            raise ValueError(f"expected >= {num_blocks * self.block_size} tokens, got {len(token_ids)}")
+        bs = self.block_size
+        for i in range(len(self.hashes), num_blocks):
+            parent = self.hashes[-1] if self.hashes else self.root
+            self.hashes.append(hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], b"", self.hash_name))
+        return self.hashes[:num_blocks]
+
+
+def request_chains(engine_key: EngineKey, request: Any) -> list[HashChain]:
+    """One :class:`HashChain` per TP rank for ``request`` (rank ``r`` at index ``r``)."""
+    lora_name, lora_version, salt = request_key_fields(request)
+    return [
+        HashChain(
+            engine_key.context(rank, lora_name, lora_version, salt).namespace(),
+            engine_key.block_size,
+            engine_key.hash_name,
+        )
+        for rank in range(engine_key.tp_size)
+    ]

@@ -1,0 +1,355 @@
+"""Worker side: the store, the lookup server, and the copies into and out of vLLM's cache.
+
+Protocol per request (see :mod:`kvtier.connectors.vllm.scheduler` for the scheduler's half):
+
+- ``match`` (lookup server thread): ``store.prefetch`` pins the cached chain and starts
+  reading DISK/REMOTE blocks into the CPU pool; the answer is the number of blocks that
+  arrived and were verified, once the reads are done. The blocks stay pinned in a *ticket*
+  under the request id until a load takes them or the request goes away.
+- ``start_load_kv``: turn this step's :class:`LoadSpec` s into one copy plan (CPU pool slots
+  -> vLLM block ids). A block the ticket does not hold (the ticket was released, or fewer
+  blocks arrived than planned) is a load error: its vLLM block id is reported by
+  ``get_block_ids_with_load_errors`` and vLLM recomputes it; it is never decoded.
+- ``wait_for_layer_load(layer)``: copy that layer of every planned block into vLLM's cache
+  (``kvtier.kernels.gather_blocks_to_paged``), just before the layer's attention reads it.
+- ``save_kv_layer(layer)``: copy that layer of this step's new full blocks into CPU-pool
+  slots reserved at the step's first layer (``store.prepare_store``: pinned, invisible to
+  lookups); ``wait_for_save`` publishes them (``complete_store``), or frees them when a layer
+  is missing or a load of the step failed (blocks computed from bad K/V are never stored).
+  Under the default ``write_through`` policy the store then writes them to DISK on its I/O
+  threads.
+
+Threads: the lookup server answers on its own thread; tickets are guarded by one lock; the
+store is thread-safe. Everything else runs on vLLM's worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+
+from kvtier.connectors.vllm.keys import EngineKey
+from kvtier.connectors.vllm.layout import kv_spec_for_caches, paged_view
+from kvtier.connectors.vllm.lookup import LookupServer, MatchReply
+from kvtier.connectors.vllm.metadata import KVTierMetadata
+from kvtier.connectors.vllm.options import ConnectorOptions
+from kvtier.kernels import gather_blocks_to_paged, scatter_paged_to_blocks
+from kvtier.results import Lease, StoreHandle
+from kvtier.store import PrefetchHandle, TieredStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Ticket:
+    """Blocks matched for one request: pinned, and in the CPU pool once ``handle`` is done."""
+
+    block_hashes: list[bytes]
+    handle: PrefetchHandle
+
+    def release(self) -> None:
+        self.handle.wait().lease.release()
+
+
+@dataclass
+class _StepLoad:
+    """This step's copies CPU pool -> vLLM cache."""
+
+    pool_ids: torch.Tensor  # [n] int64, CPU-pool slots
+    paged_ids: torch.Tensor  # [n] int64, vLLM block ids
+    leases: list[Lease]
+    layers_done: list[bool]
+    failed: bool = False
+
+
+@dataclass
+class _StepSave:
+    """This step's copies vLLM cache -> CPU pool, published in ``wait_for_save``."""
+
+    handle: StoreHandle | None
+    pool_ids: torch.Tensor  # [n] int64
+    paged_ids: torch.Tensor  # [n] int64
+    layers_done: list[bool]
+
+
+@dataclass
+class WorkerCounters:
+    """Connector events on one worker (tokens and blocks), for logs, tests and benchmarks."""
+
+    matches: int = 0
+    loaded_tokens: Counter = field(default_factory=Counter)  # by source medium
+    load_error_blocks: int = 0
+    saved_blocks: int = 0
+    save_skipped_blocks: int = 0  # no free CPU-pool slot this step
+    save_discarded_blocks: int = 0  # a layer missing or a load failed in the step
+
+
+class WorkerSide:
+    """Worker-side state of the connector; the store is built in :meth:`register_kv_caches`.
+
+    Args:
+        engine_key: the engine's key fields.
+        options: store config and connector options.
+        socket_path: where this rank's lookup server listens.
+    """
+
+    def __init__(self, engine_key: EngineKey, options: ConnectorOptions, socket_path: str) -> None:
+        self.engine_key, self.options, self.socket_path = engine_key, options, socket_path
+        self.block_size = engine_key.block_size
+        self.tp_rank = 0
+        self.store: TieredStore | None = None
+        self.server: LookupServer | None = None
+        self.counters = WorkerCounters()
+        self._views: list[torch.Tensor] = []
+        self._layer_index: dict[str, int] = {}
+        self._tickets: dict[str, _Ticket] = {}
+        self._lock = threading.Lock()
+        self._load: _StepLoad | None = None
+        self._save: _StepSave | None = None
+        self._load_errors: set[int] = set()
+
+    # -- set-up ------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layer_order: list[str], tp_rank: int) -> None:
+        """Build the store for these caches and start the lookup server.
+
+        Args:
+            kv_caches: layer name -> ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``.
+            layer_order: the attention layers' names in model order; names sharing one cache
+                tensor (cross-layer KV sharing) map to the first of them.
+            tp_rank: this worker's tensor-parallel rank.
+
+        Raises:
+            ValueError: a cache of another layout (see :func:`paged_view`).
+        """
+        self.tp_rank = tp_rank
+        by_ptr: dict[int, int] = {}
+        caches: list[torch.Tensor] = []
+        for name in layer_order:
+            cache = kv_caches[name]
+            index = by_ptr.setdefault(cache.data_ptr(), len(caches))
+            if index == len(caches):
+                caches.append(cache)
+                self._views.append(paged_view(cache, self.block_size))
+            self._layer_index[name] = index
+        spec = kv_spec_for_caches(caches, self.block_size)
+        self.store = TieredStore(spec, self.options.store, self.engine_key.namespace(tp_rank), device="cpu")
+        self.server = LookupServer(self.socket_path, self.handle)
+        logger.info(
+            "kvtier: %d layers, block %d tokens (%.1f MiB), CPU pool %d blocks, DISK %s; lookups on %s",
+            spec.num_layers, spec.block_size, spec.block_nbytes / 2**20, self.store.top.num_blocks,
+            self.options.store.data_dir if self.store.disk is not None else "off", self.socket_path,
+        )
+
+    # -- lookups (server thread) ---------------------------------------------------------------
+    def handle(self, op: str, req_id: str, block_hashes: list[bytes], wait_s: float) -> MatchReply:
+        """Answer one lookup request (see :mod:`kvtier.connectors.vllm.lookup`)."""
+        if op == "drop":
+            self._drop(req_id)
+            return 0, []
+        if op != "match":
+            raise ValueError(f"expected op 'match' or 'drop', got {op!r}")
+        assert self.store is not None, "lookup before register_kv_caches"
+        with self._lock:
+            ticket = self._tickets.get(req_id)
+            if ticket is not None and ticket.block_hashes != block_hashes:  # vLLM's own hit moved
+                del self._tickets[req_id]
+        if ticket is not None and ticket.block_hashes != block_hashes:
+            ticket.release()  # first: its pending slots would cut the new prefetch short
+            ticket = None
+        if ticket is None:
+            ticket = _Ticket(block_hashes, self.store.prefetch(block_hashes, request_id=req_id))
+            with self._lock:
+                self._tickets[req_id] = ticket
+            self.counters.matches += 1
+        deadline = time.monotonic() + wait_s
+        while not ticket.handle.done() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if not ticket.handle.done():
+            return None, []
+        result = ticket.handle.wait()
+        if not result.block_ids:
+            self._drop(req_id)
+            return 0, []
+        return len(result.block_ids), [str(m) for m in result.sources]
+
+    def _drop(self, req_id: str) -> None:
+        with self._lock:
+            ticket = self._tickets.pop(req_id, None)
+        if ticket is not None:
+            ticket.release()
+
+    # -- loads -------------------------------------------------------------------------------
+    def start_load_kv(self, meta: KVTierMetadata) -> None:
+        """Release dropped matches; plan this step's copies into vLLM's cache."""
+        for req_id in meta.drops:
+            self._drop(req_id)
+        if not meta.loads:
+            return
+        pool_ids: list[int] = []
+        paged_ids: list[int] = []
+        leases: list[Lease] = []
+        failed = False
+        for spec in meta.loads:
+            with self._lock:
+                ticket = self._tickets.pop(spec.req_id, None)
+            result = ticket.handle.wait() if ticket is not None else None  # answered: returns at once
+            num_ok = min(len(result.block_ids), len(spec.block_ids)) if result is not None else 0
+            if result is not None:
+                leases.append(result.lease)
+                pool_ids += result.block_ids[:num_ok]
+                for medium in result.sources[:num_ok]:
+                    self.counters.loaded_tokens[str(medium)] += self.block_size
+            paged_ids += spec.block_ids[:num_ok]
+            if num_ok < len(spec.block_ids):
+                logger.warning(
+                    "kvtier: request %s: %d of %d planned blocks not held; vLLM recomputes them",
+                    spec.req_id, len(spec.block_ids) - num_ok, len(spec.block_ids),
+                )
+                self._fail_blocks(spec.block_ids[num_ok:])
+                failed = True
+        self._load = _StepLoad(
+            torch.tensor(pool_ids, dtype=torch.int64), torch.tensor(paged_ids, dtype=torch.int64),
+            leases, [False] * len(self._views), failed=failed,
+        )
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Copy layer ``layer_name`` of this step's loads into vLLM's cache."""
+        load = self._load
+        index = self._layer_index.get(layer_name)
+        if load is None or index is None or load.layers_done[index]:
+            return
+        load.layers_done[index] = True
+        if not load.paged_ids.numel():
+            return
+        try:
+            pool = self.store.top.tensor[:, index : index + 1]
+            gather_blocks_to_paged(pool, load.pool_ids, [self._views[index]], load.paged_ids, check_ids=False)
+        except Exception:
+            logger.exception("kvtier: copying layer %s into vLLM's cache failed; vLLM recomputes", layer_name)
+            self._fail_load(load)
+
+    def _fail_blocks(self, paged_ids: list[int]) -> None:
+        self._load_errors.update(int(i) for i in paged_ids)
+        self.counters.load_error_blocks += len(paged_ids)
+
+    def _fail_load(self, load: _StepLoad) -> None:
+        """Report every block of the step's loads (some layers may hold stale K/V)."""
+        self._fail_blocks(load.paged_ids.tolist())
+        load.paged_ids = load.paged_ids[:0]
+        load.pool_ids = load.pool_ids[:0]
+        load.failed = True
+
+    def _finish_load(self) -> None:
+        """End of step: a layer that was never copied means the forward read blocks without
+        their K/V: report them so vLLM recomputes. Then unpin the pool slots."""
+        load, self._load = self._load, None
+        if load is None:
+            return
+        if load.paged_ids.numel() and not all(load.layers_done):
+            missing = [i for i, done in enumerate(load.layers_done) if not done]
+            logger.error("kvtier: layers %s never waited for their load; vLLM recomputes", missing)
+            self._fail_load(load)
+        for lease in load.leases:
+            lease.release()
+
+    def take_load_errors(self) -> set[int]:
+        """vLLM block ids whose load failed since the last call."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- saves -------------------------------------------------------------------------------
+    def save_kv_layer(self, layer_name: str, meta: KVTierMetadata) -> None:
+        """Copy layer ``layer_name`` of this step's new full blocks into reserved pool slots."""
+        if self._save is None:
+            self._save = self._prepare_save(meta)
+        save = self._save
+        index = self._layer_index.get(layer_name)
+        if save.handle is None or index is None or save.layers_done[index]:
+            return
+        pool = self.store.top.tensor[:, index : index + 1]
+        scatter_paged_to_blocks([self._views[index]], save.paged_ids, pool, save.pool_ids, check_ids=False)
+        save.layers_done[index] = True
+
+    def _prepare_save(self, meta: KVTierMetadata) -> _StepSave:
+        """Reserve pool slots for the step's blocks that kvtier does not hold yet (each
+        once, in request order: blocks shared by requests of one batch are written once)."""
+        empty = torch.empty(0, dtype=torch.int64)
+        hashes: list[bytes] = []
+        paged: list[int] = []
+        seen: set[bytes] = set()
+        for spec in meta.saves:
+            for block_hash, block_id in zip(spec.block_hashes[self.tp_rank], spec.block_ids):
+                if block_hash in seen or self.store.medium_of(block_hash) is not None:
+                    continue
+                seen.add(block_hash)
+                hashes.append(block_hash)
+                paged.append(block_id)
+        if not hashes:
+            return _StepSave(None, empty, empty, [])
+        handle = self.store.prepare_store(hashes)
+        self.counters.save_skipped_blocks += len(hashes) - handle.num_blocks
+        return _StepSave(
+            handle,
+            torch.tensor(handle.block_ids, dtype=torch.int64),
+            torch.tensor([paged[i] for i in handle.indices], dtype=torch.int64),
+            [False] * len(self._views),
+        )
+
+    def wait_for_save(self) -> None:
+        """End of step: finish loads, publish (or discard) this step's saves."""
+        load_failed = self._load is not None and self._load.failed
+        self._finish_load()
+        save, self._save = self._save, None
+        if save is None or save.handle is None:
+            return  # nothing new, or no layer ran (no forward this step: nothing computed)
+        ok = all(save.layers_done) and not load_failed
+        if not ok:
+            logger.warning("kvtier: discarding %d blocks of this step (layer missing or load failed)", len(save.pool_ids))
+            self.counters.save_discarded_blocks += len(save.handle.block_hashes)
+        else:
+            self.counters.saved_blocks += len(save.handle.block_hashes)
+        self.store.complete_store(save.handle, success=ok)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def get_finished(self, finished_req_ids: set[str]) -> None:
+        """Release matches of requests that finished (aborted while waiting, for example)."""
+        for req_id in finished_req_ids:
+            self._drop(req_id)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this worker and its store (JSON-friendly)."""
+        counters = asdict(self.counters)
+        counters["loaded_tokens"] = dict(self.counters.loaded_tokens)
+        out: dict[str, Any] = {"connector": counters, "tp_rank": self.tp_rank}
+        if self.store is not None:
+            stats = self.store.stats
+            out["store"] = {
+                f.name: ({str(k): n for k, n in value.items()} if isinstance(value, Counter) else value)
+                for f in fields(stats) for value in [getattr(stats, f.name)]
+            }
+            out["usage"] = self.store.usage()
+        return out
+
+    def flush(self) -> None:
+        """Write every block held only in memory to DISK and fsync (wait for write-through)."""
+        if self.store is not None:
+            self.store.flush()
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        with self._lock:
+            tickets, self._tickets = list(self._tickets.values()), {}
+        for ticket in tickets:
+            ticket.release()
+        if self.store is not None:
+            logger.info("kvtier: worker shutting down: %s", self.stats()["connector"])
+            self.store.close()
+            self.store = None

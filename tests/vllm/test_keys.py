@@ -1,0 +1,101 @@
+"""Keys of the vLLM connector: per-request chains, namespaces, model fingerprints (no vLLM)."""
+
+from __future__ import annotations
+
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+from kvtier.connectors.vllm.keys import (
+    EngineKey,
+    HashChain,
+    model_fingerprint,
+    model_revision_for,
+    request_chains,
+    request_key_fields,
+)
+from kvtier.hashing import KeyContext, block_hashes_for
+
+KEY = EngineKey("m", "rev", "float32", "vllm-cpu-attn/vec", block_size=4, tp_size=2)
+TOKENS = list(range(100, 123))  # 5 full blocks of 4, 3 tokens over
+
+
+def request(cache_salt=None, lora=None, lora_path="/a", lora_id=1):
+    lora_request = SimpleNamespace(lora_name=lora, lora_path=lora_path, lora_int_id=lora_id) if lora else None
+    return SimpleNamespace(request_id="r", all_token_ids=TOKENS, cache_salt=cache_salt, lora_request=lora_request)
+
+
+def test_chain_matches_kvtier_hashing_and_grows_incrementally() -> None:
+    root = KEY.context(0).namespace()
+    chain = HashChain(root, 4)
+    assert chain.upto(TOKENS, 2) == block_hashes_for(TOKENS[:8], root, 4)
+    assert chain.upto(TOKENS, 5) == block_hashes_for(TOKENS, root, 4)
+    assert chain.upto(TOKENS, 3) == block_hashes_for(TOKENS, root, 4)[:3]
+    with pytest.raises(ValueError, match="expected >= 24 tokens"):
+        chain.upto(TOKENS, 6)
+
+
+def test_namespace_is_the_rank_key_context() -> None:
+    expected = KeyContext(
+        model_id="m", model_revision="rev", dtype="float32", kv_layout="vllm-cpu-attn/vec", block_size=4,
+        tp_rank=1, tp_size=2,
+    ).namespace()
+    assert KEY.namespace(1) == expected
+    assert KEY.namespace(0) != KEY.namespace(1)
+
+
+def test_request_roots_separate_ranks_tenants_and_adapters() -> None:
+    def hashes(req):
+        return [chain.upto(TOKENS, 5) for chain in request_chains(KEY, req)]
+
+    plain = hashes(request())
+    assert len(plain) == 2 and plain[0] != plain[1]  # one chain per TP rank
+    assert hashes(request()) == plain  # deterministic
+    assert plain[0] == block_hashes_for(TOKENS, KEY.namespace(0), 4)  # no request fields: the rank namespace
+    variants = [
+        hashes(request(cache_salt="tenant-a")),
+        hashes(request(cache_salt="tenant-b")),
+        hashes(request(cache_salt="")),
+        hashes(request(lora="x")),
+        hashes(request(lora="x", lora_path="/b")),
+        hashes(request(lora="x", lora_id=2)),
+    ]
+    firsts = [plain[0][0]] + [v[0][0] for v in variants]
+    assert len(set(firsts)) == len(firsts)  # every block differs from the first one on
+
+
+def test_request_key_fields() -> None:
+    assert request_key_fields(request()) == (None, None, None)
+    assert request_key_fields(request(cache_salt="s", lora="x")) == ("x", "/a#1", "s")
+
+
+def test_model_fingerprint_follows_weights_and_config_only(tmp_path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 8}')
+    (model / "model.safetensors").write_bytes(bytes(range(256)) * 10)
+    (model / "tokenizer.json").write_text("{}")
+    first = model_fingerprint(str(model))
+    copy = tmp_path / "copy"
+    shutil.copytree(model, copy)
+    (copy / "tokenizer.json").write_text('{"other": 1}')
+    assert model_fingerprint(str(copy)) == first  # same content elsewhere, tokenizer ignored
+    weights = bytearray((copy / "model.safetensors").read_bytes())
+    weights[1000] ^= 1
+    (copy / "model.safetensors").write_bytes(bytes(weights))
+    model_fingerprint.cache_clear()
+    assert model_fingerprint(str(copy)) != first
+    (model / "config.json").write_text('{"hidden_size": 8, "rope_theta": 1.0}')
+    model_fingerprint.cache_clear()
+    assert model_fingerprint(str(model)) != first
+    with pytest.raises(FileNotFoundError):
+        model_fingerprint(str(tmp_path / "missing"))
+
+
+def test_model_revision_for(tmp_path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    assert model_revision_for(SimpleNamespace(model=str(tmp_path)), override="v7") == "v7"
+    assert model_revision_for(SimpleNamespace(model=str(tmp_path))) == model_fingerprint(str(tmp_path))
+    missing = SimpleNamespace(model="no-such-org/no-such-model-kvtier", revision="abc")
+    assert model_revision_for(missing) == "hub:abc"

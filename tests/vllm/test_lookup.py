@@ -1,0 +1,99 @@
+"""Scheduler -> worker lookups over the Unix socket (no vLLM)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from kvtier.connectors.vllm.lookup import LookupClient, LookupServer, socket_path
+
+
+@pytest.fixture
+def paths():
+    engine_id = f"test-{uuid.uuid4().hex[:12]}"
+    return [socket_path(engine_id, 0, rank) for rank in range(2)]
+
+
+@pytest.fixture
+def servers():
+    started: list[LookupServer] = []
+    yield started
+    for server in started:
+        server.close()
+
+
+def fixed(answer):
+    calls = []
+
+    def handler(op, req_id, hashes, wait_s):
+        calls.append((op, req_id, hashes, wait_s))
+        return answer(hashes) if callable(answer) else answer
+
+    handler.calls = calls
+    return handler
+
+
+def test_answer_is_the_shortest_rank(paths, servers) -> None:
+    first, second = fixed((3, ["CPU", "CPU", "DISK"])), fixed((2, ["DISK", "DISK"]))
+    servers += [LookupServer(paths[0], first), LookupServer(paths[1], second)]
+    client = LookupClient(paths, timeout_s=5)
+    assert client.match("r1", [[b"a" * 32, b"b" * 32], [b"c" * 32]], 0.25) == (2, ["DISK", "DISK"])
+    assert first.calls == [("match", "r1", [b"a" * 32, b"b" * 32], 0.25)]
+    assert second.calls == [("match", "r1", [b"c" * 32], 0.25)]
+    client.drop("r1")
+    assert first.calls[-1][:2] == ("drop", "r1")
+    client.close()
+
+
+def test_not_yet_on_any_rank_is_not_yet(paths, servers) -> None:
+    servers += [LookupServer(paths[0], fixed((3, ["CPU"] * 3))), LookupServer(paths[1], fixed((None, [])))]
+    assert LookupClient(paths, timeout_s=5).match("r", [[], []], 0) == (None, [])
+
+
+def test_unreachable_worker_is_a_miss_then_reconnects(paths, servers) -> None:
+    client = LookupClient(paths[:1], timeout_s=5)
+    assert client.match("r", [[b"x"]], 0) == (0, [])
+    servers.append(LookupServer(paths[0], fixed((1, ["CPU"]))))
+    assert client.match("r", [[b"x"]], 0) == (1, ["CPU"])
+
+
+def test_silent_worker_times_out_and_a_late_reply_is_never_read(paths, servers) -> None:
+    release = threading.Event()
+
+    def handler(op, req_id, hashes, wait_s):
+        if req_id == "slow":
+            release.wait(5)
+            return 7, ["DISK"] * 7
+        return 1, ["CPU"]
+
+    servers.append(LookupServer(paths[0], handler))
+    client = LookupClient(paths[:1], timeout_s=0.2)
+    start = time.monotonic()
+    assert client.match("slow", [[b"x"]], 0) == (0, [])
+    assert time.monotonic() - start < 3
+    release.set()
+    assert client.match("fast", [[b"x"]], 0) == (1, ["CPU"])  # its own answer, not the late 7
+
+
+def test_handler_error_is_a_miss_and_the_connection_stays(paths, servers) -> None:
+    def handler(op, req_id, hashes, wait_s):
+        if req_id == "bad":
+            raise RuntimeError("boom")
+        return 2, ["CPU", "CPU"]
+
+    servers.append(LookupServer(paths[0], handler))
+    client = LookupClient(paths[:1], timeout_s=5)
+    assert client.match("bad", [[b"x"]], 0) == (0, [])
+    assert client.match("good", [[b"x"]], 0) == (2, ["CPU", "CPU"])
+
+
+def test_stale_socket_is_replaced_and_a_live_one_refused(paths, servers) -> None:
+    with open(paths[0], "w"):
+        pass  # a file left by a dead process
+    servers.append(LookupServer(paths[0], fixed((0, []))))
+    with pytest.raises(RuntimeError, match="another kvtier lookup server"):
+        LookupServer(paths[0], fixed((0, [])))
+    assert LookupClient(paths[:1], timeout_s=5).match("r", [[]], 0) == (0, [])
