@@ -210,8 +210,21 @@ class TieredStore:
                     self.stats.hit_blocks[medium] += 1
         finally:
             self._lock.release()
-        num_remote = self._remote_lookup(block_hashes[len(media) :], count) if blocking else 0
-        media += [Medium.REMOTE] * num_remote
+        while blocking and len(media) < len(block_hashes):
+            # REMOTE for the run after the local prefix, then the local tiers again (a block
+            # after a REMOTE run may be local: the prefix is whatever every tier holds together)
+            num_remote = self._remote_lookup(block_hashes[len(media) :], count)
+            if not num_remote:
+                break
+            media += [Medium.REMOTE] * num_remote
+            with self._lock:
+                more = self._local_prefix(block_hashes[len(media) :])
+                if count:
+                    for medium in more:
+                        self.stats.hit_blocks[medium] += 1
+            if not more:
+                break
+            media += more
         self._observe("lookup", t0)
         return LookupResult(len(media), media, lease)
 
@@ -245,7 +258,12 @@ class TieredStore:
         unreachable: the backend never raises for that). Called without the store's lock."""
         if self.remote is None or not block_hashes:
             return 0
-        num_hit = self.remote.lookup(self.namespace, block_hashes)
+        try:
+            num_hit = min(max(int(self.remote.lookup(self.namespace, block_hashes)), 0), len(block_hashes))
+        except Exception as exc:  # a backend bug or a reply it did not expect: a miss, not an error
+            logger.warning("REMOTE lookup failed: %r", exc)
+            self.remote.errors["lookup_error"] += 1
+            num_hit = 0
         if count:
             with self._lock:
                 self.stats.remote_lookup_blocks += len(block_hashes)
@@ -643,8 +661,15 @@ class TieredStore:
             for h in block_hashes[start : start + batch]:
                 block = pool.tensor[pool.block_id(h)]
                 puts.append((h, self.namespace, block if block.device.type == "cpu" else block.cpu()))
-            ok = self.disk.write_batch(puts, deletes=victims if start == 0 else ())
+            try:
+                ok = self.disk.write_batch(puts, deletes=victims if start == 0 else ())
+            except Exception as exc:  # never into the inference loop: the blocks are just not on DISK
+                logger.warning("DISK spill of %d blocks failed: %r", len(puts), exc)
+                ok, reason = [False] * len(puts), "error"
+            else:
+                reason = "full"
             self.stats.spilled_blocks[Medium.DISK] += sum(ok)
+            self.stats.store_failures[reason] += len(ok) - sum(ok)
         self.stats.evicted_blocks[Medium.DISK] += len(victims)
 
     def _write_through(self, block_hashes: list[BlockHash]) -> None:

@@ -150,15 +150,19 @@ def plan_prefetch(
             break  # the end of the prefix, a block another request is bringing up, or a repeat
         seen.add(h)
         chain.append((h, medium))
+    hit_chain = chain
+    # A load never holds more than the top pool: pin only the head that fits, so that the
+    # chain's own tail (resident in the top pool after a long store) can make room for it.
+    chain = chain[: store.top.num_blocks]
     if count:
         store.stats.lookup_blocks += len(block_hashes)
-        for _, medium in chain:
+        for _, medium in hit_chain:
             if medium is not Medium.REMOTE:
                 store.stats.hit_blocks[medium] += 1
-        num_local = sum(1 for _, m in chain if m is not Medium.REMOTE)
+        num_local = next((i for i, (_, m) in enumerate(hit_chain) if m is Medium.REMOTE), len(hit_chain))
         if store.remote is not None and num_local < len(block_hashes):
             store.stats.remote_lookup_blocks += len(block_hashes) - num_local
-            store.stats.hit_blocks[Medium.REMOTE] += len(chain) - num_local
+            store.stats.hit_blocks[Medium.REMOTE] += sum(1 for _, m in hit_chain if m is Medium.REMOTE)
     lease = Lease(store, [h for h, _ in chain])
     top = store.top
     store._make_room(0, sum(1 for _, m in chain if m is not top.medium))
