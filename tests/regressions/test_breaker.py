@@ -849,9 +849,9 @@ def test_hf_after_request_without_a_cache_raises_a_typed_error(llama, tmp_path, 
         conn.after_request(_prompt(40)[0], None)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: HFConnector.after_request calls prepare_store directly instead of "
-                   "store_with: a conversation longer than the GPU pool stores only the first top.num_blocks "
-                   "blocks although the CPU tier has room (the chunking of store_with is bypassed)")
+@pytest.mark.xfail(strict=True, reason="LIMITATION: a load lands in the top pool, so HFConnector.before_prefill "
+                   "serves at most top.num_blocks blocks (here 4 of 10, all stored, from CPU); fix: load and gather "
+                   "in chunks of the top pool")
 def test_hf_after_request_stores_a_request_longer_than_the_gpu_pool(llama, tmp_path, connectors):
     conn = connectors(_connector(llama, _hf_config(tmp_path, llama, gpu=4, cpu=64)))
     ids = _prompt(10 * HF_BLOCK + 3, seed=5)

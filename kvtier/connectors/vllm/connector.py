@@ -141,7 +141,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        self._worker.save_kv_layer(layer_name, self._meta())
+        self._worker.save_kv_layer(layer_name, self._meta(), kv_layer)
 
     def wait_for_save(self) -> None:
         self._worker.wait_for_save()

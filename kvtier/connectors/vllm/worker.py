@@ -264,14 +264,18 @@ class WorkerSide:
         return errors
 
     # -- saves -------------------------------------------------------------------------------
-    def save_kv_layer(self, layer_name: str, meta: KVTierMetadata) -> None:
-        """Copy layer ``layer_name`` of this step's new full blocks into reserved pool slots."""
+    def save_kv_layer(self, layer_name: str, meta: KVTierMetadata, kv_layer: torch.Tensor | None = None) -> None:
+        """Copy layer ``layer_name`` of this step's new full blocks into reserved pool slots.
+        ``kv_layer``: the cache vLLM passes (must be the one registered for that layer)."""
         if self._save is None:
             self._save = self._prepare_save(meta)
         save = self._save
         index = self._layer_index.get(layer_name)
         if save.handle is None or index is None or save.layers_done[index]:
             return
+        assert kv_layer is None or kv_layer.data_ptr() == self._views[index].data_ptr(), (
+            f"layer {layer_name}: vLLM saves from another cache tensor than it registered"
+        )
         pool = self.store.top.tensor[:, index : index + 1]
         scatter_paged_to_blocks([self._views[index]], save.paged_ids, pool, save.pool_ids, check_ids=False)
         save.layers_done[index] = True
