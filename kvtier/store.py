@@ -270,10 +270,13 @@ class TieredStore:
                 self.stats.hit_blocks[Medium.REMOTE] += num_hit
         return num_hit
 
-    def prefetch(self, block_hashes: Sequence[BlockHash], request_id: str | None = None) -> PrefetchHandle:
+    def prefetch(
+        self, block_hashes: Sequence[BlockHash], request_id: str | None = None, count: bool = True
+    ) -> PrefetchHandle:
         """Pin the cached prefix of ``block_hashes`` and start bringing it into the top pool
         (REMOTE blocks included: asked for first, outside the lock). Returns at once;
-        ``handle.wait()`` gives the :class:`LoadResult`. ``request_id``: see :meth:`lookup`."""
+        ``handle.wait()`` gives the :class:`LoadResult`. ``request_id``: see :meth:`lookup`;
+        ``count=False``: not a lookup (the daemon's get, whose lookup was counted already)."""
         self._check_hashes(block_hashes)
         remote_hashes: frozenset = frozenset()
         if self.remote is not None:
@@ -285,12 +288,12 @@ class TieredStore:
         with self._lock:
             self._check_open()
             self._reap()
-            return plan_prefetch(self, block_hashes, remote_hashes, count=self._first_count(request_id))
+            return plan_prefetch(self, block_hashes, remote_hashes, count=count and self._first_count(request_id))
 
-    def load(self, block_hashes: Sequence[BlockHash], request_id: str | None = None) -> LoadResult:
+    def load(self, block_hashes: Sequence[BlockHash], request_id: str | None = None, count: bool = True) -> LoadResult:
         """``prefetch(block_hashes).wait()``: the leading cached blocks in the top pool,
         pinned. Shorter than asked when a block is missing, corrupt or finds no slot."""
-        return self.prefetch(block_hashes, request_id).wait()
+        return self.prefetch(block_hashes, request_id, count).wait()
 
     # -- stores ------------------------------------------------------------------------------
     def prepare_store(self, block_hashes: Sequence[BlockHash]) -> StoreHandle:

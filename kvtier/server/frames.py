@@ -98,7 +98,7 @@ def _load(entry: "Namespace", block_hashes: Sequence[BlockHash]) -> tuple["LoadR
     """On a registry thread: the leading blocks pinned in the top pool and, per block, its
     record header and its bytes (the slot itself on CPU; a host copy of a GPU slot)."""
     store = entry.store
-    loaded = store.load(block_hashes)
+    loaded = store.load(block_hashes, count=False)  # the client's /lookup counted these (M1)
     try:
         top = store.top.tensor
         blocks = []

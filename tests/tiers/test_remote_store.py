@@ -158,3 +158,17 @@ def test_remote_below_all_local_tiers_and_restart(make_store, namespace, tmp_pat
     assert torch.equal(b.top.tensor[loaded.block_ids], blocks)
     loaded.lease.release()
     b.check_invariants()
+
+
+def test_a_load_that_is_not_a_lookup_is_not_counted(make_store, namespace, tmp_path):
+    """The daemon's /get follows the client's /lookup: its load passes count=False, so the
+    daemon counts each block asked once (M1)."""
+    spec = tiny_spec()
+    store = make_store(gpu_blocks=8, data_dir=tmp_path / "d")
+    hashes = chain(4, spec, namespace)
+    store.store(hashes, random_blocks(spec, 4))
+    store.lookup(hashes)
+    with store.load(hashes, count=False).lease:
+        pass
+    assert store.stats.lookup_blocks == 4 and store.stats.hit_blocks[Medium.GPU] == 4
+    assert store.stats.loaded_blocks[Medium.GPU] == 4
