@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -110,6 +111,7 @@ def _host() -> None:
         job_path, out_path = line.split()
         pid = os.fork()
         if pid == 0:
+            os.setpgid(0, 0)  # the engine's own processes join this group: see killpg below
             code = 1
             try:
                 result = run(json.loads(Path(job_path).read_text()))
@@ -124,6 +126,10 @@ def _host() -> None:
                 sys.stderr.flush()
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
+        try:  # an engine that failed before its shutdown leaves engine-core/worker processes
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         print(os.waitstatus_to_exitcode(status), file=answers, flush=True)
 
 

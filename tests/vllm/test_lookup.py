@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -90,10 +91,12 @@ def test_handler_error_is_a_miss_and_the_connection_stays(paths, servers) -> Non
     assert client.match("good", [[b"x"]], 0) == (2, ["CPU", "CPU"])
 
 
-def test_stale_socket_is_replaced_and_a_live_one_refused(paths, servers) -> None:
-    with open(paths[0], "w"):
-        pass  # a file left by a dead process
+def test_stale_sockets_are_swept_and_a_live_one_refused(paths, servers) -> None:
+    for path in paths:
+        with open(path, "w"):
+            pass  # files left by killed engines
     servers.append(LookupServer(paths[0], fixed((0, []))))
+    assert not os.path.exists(paths[1])  # another dead engine's socket went too
     with pytest.raises(RuntimeError, match="another kvtier lookup server"):
         LookupServer(paths[0], fixed((0, [])))
     assert LookupClient(paths[:1], timeout_s=5).match("r", [[]], 0) == (0, [])

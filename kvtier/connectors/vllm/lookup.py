@@ -6,6 +6,7 @@ owns) lives with the worker; the scheduler asks it, per request, how many blocks
 supply: LMCache's lookup client/server split. One :class:`LookupServer` per worker (TP rank)
 listens on ``<tmp>/kvtier-<uid>/<engine_id>-dp<r>-tp<r>.sock`` (a directory only this user can
 enter); the scheduler's :class:`LookupClient` asks every rank and takes the shortest answer.
+A starting server removes the sockets of killed engines from that directory.
 
 Messages are msgpack arrays, one request and one reply at a time per connection::
 
@@ -55,6 +56,25 @@ def socket_path(engine_id: str, dp_rank: int, tp_rank: int) -> str:
     return os.path.join(socket_dir(), f"{safe}-dp{dp_rank}-tp{tp_rank}.sock")
 
 
+def sweep_stale_sockets(directory: str) -> list[str]:
+    """Remove the ``*.sock`` files in ``directory`` that nothing listens on (left by engines
+    that were killed); returns their paths. A live server's socket is kept."""
+    removed = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if not name.endswith(".sock"):
+            continue
+        try:
+            Client(path, family="AF_UNIX").close()
+        except OSError:
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass  # another process swept it first
+    return removed
+
+
 class LookupServer:
     """Accepts connections on ``path`` and answers each request with ``handler`` on its own
     thread (one per connection; a handler exception is logged and answered as a miss).
@@ -66,13 +86,9 @@ class LookupServer:
 
     def __init__(self, path: str, handler: Handler) -> None:
         self.path, self._handler = path, handler
+        sweep_stale_sockets(os.path.dirname(path))
         if os.path.exists(path):
-            try:
-                Client(path, family="AF_UNIX").close()
-            except OSError:
-                os.unlink(path)  # stale: its process is gone
-            else:
-                raise RuntimeError(f"another kvtier lookup server listens on {path}; set a distinct engine_id")
+            raise RuntimeError(f"another kvtier lookup server listens on {path}; set a distinct engine_id")
         self._listener = Listener(path, family="AF_UNIX")
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="kvtier-lookup", daemon=True)
