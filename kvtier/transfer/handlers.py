@@ -106,7 +106,28 @@ class PoolCopyHandler(TransferHandler):
         return _EventPending(result, events, started)
 
 
-class DiskHandler(TransferHandler):
+class _IOHandler(TransferHandler):
+    """A handler whose jobs run on the shared I/O thread pool: ``_read`` when the job has
+    destination slots, else ``_write``; an exception fails the job, never the caller."""
+
+    executor: ThreadPoolExecutor
+
+    def start(self, job: TransferJob) -> Pending:
+        started = time.perf_counter()
+        run = self._read if job.dst_ids is not None else self._write
+        return _FuturePending(self.executor.submit(self._guarded, run, job, started))
+
+    def _guarded(self, run, job: TransferJob, started: float) -> JobResult:
+        try:
+            result = run(job)
+        except Exception as exc:  # an I/O thread never raises into the engine's caller
+            logger.exception("%s job %d failed: %s", type(self).__name__, job.job_id, exc)
+            result = failed(job, "error", started)
+        result.seconds = time.perf_counter() - started
+        return result
+
+
+class DiskHandler(_IOHandler):
     """DISK <-> a host-memory pool, on ``num_threads`` I/O threads.
 
     Args:
@@ -120,20 +141,6 @@ class DiskHandler(TransferHandler):
     def __init__(self, disk: DiskTier, pool: BlockPool, namespace: bytes, executor: ThreadPoolExecutor) -> None:
         assert pool.tensor.device.type == "cpu", "DISK I/O needs a host-memory pool"
         self.disk, self.pool, self.namespace, self.executor = disk, pool, namespace, executor
-
-    def start(self, job: TransferJob) -> Pending:
-        started = time.perf_counter()
-        run = self._read if job.dst_ids is not None else self._write
-        return _FuturePending(self.executor.submit(self._guarded, run, job, started))
-
-    def _guarded(self, run, job: TransferJob, started: float) -> JobResult:
-        try:
-            result = run(job)
-        except Exception as exc:  # an I/O thread never raises into the engine's caller
-            logger.exception("DISK job %d failed: %s", job.job_id, exc)
-            result = failed(job, "error", started)
-        result.seconds = time.perf_counter() - started
-        return result
 
     def _read(self, job: TransferJob) -> JobResult:
         ok: list[bool] = []
@@ -157,7 +164,7 @@ class DiskHandler(TransferHandler):
         return JobResult(job.job_id, ok, reasons, sum(ok) * self.pool.spec.block_nbytes)
 
 
-class RemoteHandler(TransferHandler):
+class RemoteHandler(_IOHandler):
     """A pool <-> the REMOTE tier (kvtier.tiers.backend.RemoteBackend), on the I/O threads.
 
     Reads (``REMOTE -> pool``) land straight in host-memory pool slots, verified by the
@@ -174,20 +181,6 @@ class RemoteHandler(TransferHandler):
 
     def __init__(self, remote, pool: BlockPool, namespace: bytes, executor: ThreadPoolExecutor) -> None:
         self.remote, self.pool, self.namespace, self.executor = remote, pool, namespace, executor
-
-    def start(self, job: TransferJob) -> Pending:
-        started = time.perf_counter()
-        run = self._read if job.dst_ids is not None else self._write
-        return _FuturePending(self.executor.submit(self._guarded, run, job, started))
-
-    def _guarded(self, run, job: TransferJob, started: float) -> JobResult:
-        try:
-            result = run(job)
-        except Exception as exc:  # a backend bug fails the job, never the engine's caller
-            logger.exception("REMOTE job %d failed: %s", job.job_id, exc)
-            result = failed(job, "error", started)
-        result.seconds = time.perf_counter() - started
-        return result
 
     def _read(self, job: TransferJob) -> JobResult:
         outs = [self.pool.tensor[slot] for slot in job.dst_ids]
