@@ -7,7 +7,8 @@ import torch
 
 from kvtier.config import StoreConfig
 from kvtier.hashing import KeyContext, block_hashes_for
-from kvtier.records import ReadStatus, decode_into, encode_record
+from kvtier.records import ReadStatus
+from kvtier.testing.remote import MemoryRemote as _MemoryRemote
 from kvtier.store import TieredStore
 from kvtier.tiers.disk import record_footprint
 from kvtier.types import KVSpec
@@ -63,51 +64,27 @@ def make_store(tmp_path, namespace):
         store.close()
 
 
-class MemoryRemote:
-    """An in-process REMOTE backend (kvtier.tiers.backend.RemoteBackend) over a dict of
-    records, shared by every store given the same instance; ``down = True`` makes every call
-    fail the way an unreachable daemon does (misses, ``errors`` counted)."""
 
-    def __init__(self) -> None:
-        from collections import Counter
+class MemoryRemote(_MemoryRemote):
+    """kvtier.testing's in-memory REMOTE backend, plus ``down = True``: every call fails the
+    way an unreachable daemon does (misses, ``errors["unavailable"]`` counted)."""
 
-        self.records: dict[tuple[bytes, bytes], bytes] = {}
-        self.specs: dict[bytes, tuple] = {}
-        self.errors: Counter = Counter()
-        self.calls: Counter = Counter()
-        self.down = False
-
-    def register(self, namespace, spec) -> None:
-        key = (tuple(spec.block_shape), spec.dtype)
-        if self.specs.setdefault(namespace, key) != key:
-            raise ValueError("namespace registered with another spec")
+    down = False
 
     def lookup(self, namespace, block_hashes) -> int:
-        self.calls["lookup"] += 1
         if self.down:
             self.errors["unavailable"] += 1
             return 0
-        return next((i for i, h in enumerate(block_hashes) if (namespace, h) not in self.records), len(block_hashes))
+        return super().lookup(namespace, block_hashes)
 
     def get_into(self, namespace, block_hashes, outs):
-        self.calls["get"] += 1
         if self.down:
             self.errors["unavailable"] += 1
             return [ReadStatus.UNAVAILABLE] * len(block_hashes)
-        statuses = []
-        for h, out in zip(block_hashes, outs):
-            value = self.records.get((namespace, h))
-            statuses.append(ReadStatus.MISSING if value is None else decode_into(memoryview(value), namespace, out))
-        return statuses
+        return super().get_into(namespace, block_hashes, outs)
 
     def put(self, namespace, block_hashes, blocks):
-        self.calls["put"] += 1
         if self.down:
             self.errors["unavailable"] += 1
             return [False] * len(block_hashes)
-        for h, block in zip(block_hashes, blocks):
-            self.records.setdefault((namespace, h), encode_record(namespace, block.contiguous(), 0).tobytes())
-        return [True] * len(block_hashes)
-
-    def close(self) -> None:
-        pass
+        return super().put(namespace, block_hashes, blocks)
