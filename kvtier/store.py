@@ -688,7 +688,13 @@ class TieredStore:
             self._spill_to_disk(self.pools[-1], [h for h in block_hashes if h in self.pools[-1] and h not in self.disk])
             return
         lease = Lease(self, todo)  # the host copies stay until the write is done
-        job = TransferJob(host.medium, Medium.DISK, todo, src_ids=[host.block_id(h) for h in todo], evict=room[0])
+        victims = room[0]
+        if victims:
+            # Evict now, under the lock, while the victims are known to be unpinned: a job that
+            # deleted them later could evict a block pinned in between (guarantee 4).
+            self.disk.write_batch([], deletes=victims)
+            self.stats.evicted_blocks[Medium.DISK] += len(victims)
+        job = TransferJob(host.medium, Medium.DISK, todo, src_ids=[host.block_id(h) for h in todo])
         self._background[self.engine.submit(job)] = (Medium.DISK, lease)
 
     def _put_remote(self, block_hashes: list[BlockHash]) -> None:
