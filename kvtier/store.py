@@ -37,6 +37,7 @@ are pinned and pending until their results are consumed.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -138,6 +139,8 @@ class TieredStore:
         self._executor = ThreadPoolExecutor(config.num_io_threads, thread_name_prefix="kvtier-io")
         self.engine = TransferEngine()
         self._register_handlers()
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (store := ref()) is not None and store._after_fork_in_child())
         self.observe: Callable[[str, float], None] | None = None
         """Latency hook: ``observe(op, seconds)`` after each ``lookup``, ``load`` (prefetch
         submit to ``wait`` done) and ``store`` (``store``/``store_with``); kvtier.metrics
@@ -489,6 +492,20 @@ class TieredStore:
             assert not self._pending, "a transfer or store was started but never completed"
 
     # -- pins and order ----------------------------------------------------------------------
+    def _after_fork_in_child(self) -> None:
+        """A forked child may read (its own read-only DISK view, new I/O threads: the
+        parent's do not exist in the child) and use its copies of the memory tiers; it never
+        writes the parent's DISK directory (guarantee 5, docs/reliability.md)."""
+        self._lock = threading.RLock()
+        self._executor = ThreadPoolExecutor(self.config.num_io_threads, thread_name_prefix="kvtier-io")
+        if self.disk is not None and not self._closed:
+            self.disk.after_fork_in_child()
+        if self._closed:
+            return
+        self._background.clear()
+        self.engine = TransferEngine()  # the parent's jobs and locks are not the child's
+        self._register_handlers()
+
     def _observe(self, op: str, t0: float) -> None:
         if self.observe is not None:
             self.observe(op, time.perf_counter() - t0)

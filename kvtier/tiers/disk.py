@@ -78,7 +78,19 @@ class DiskTier:
         self._used = 0
         self._seq = 0
         self._lock = threading.RLock()
+        self.read_only = False
         self._rebuild_index()
+
+    def after_fork_in_child(self) -> None:
+        """In a forked child: a read-only view. The parent's LMDB environment must not be
+        used across fork (its reader slots would carry the parent's pid), so the child opens
+        its own, read-only; writes are refused (the parent owns the directory and its index).
+        """
+        self.env.close()  # the child's handle only: the parent's mapping, locks and slots stay
+        self.env = lmdb.open(str(self.path), readonly=True, lock=True, max_readers=512, readahead=True)
+        self._lock = threading.RLock()
+        self.read_only = True
+        self._lock_file = None  # the parent's flock stays the parent's
 
     # -- accounting ------------------------------------------------------------------------
     def footprint(self, payload_nbytes: int) -> int:
@@ -139,6 +151,8 @@ class DiskTier:
             not fit (the caller must make room first; the cap is never exceeded) or the disk
             or map is full (D3: a failed store is a return value, stored blocks stay readable).
         """
+        if self.read_only:
+            return [False] * len(puts)
         with self._lock:
             return self._write_batch(puts, deletes, evicted)
 
@@ -185,6 +199,8 @@ class DiskTier:
 
     def remove(self, block_hashes: Sequence[BlockHash]) -> None:
         """Drop records (not an eviction: corrupt or unwanted). Missing hashes are ignored."""
+        if self.read_only:
+            return
         with self._lock:
             self._write_batch((), [h for h in block_hashes if h in self._lru], False)
 
@@ -207,14 +223,17 @@ class DiskTier:
     # -- lifecycle -------------------------------------------------------------------------
     def flush(self) -> None:
         """fsync the environment (committed writes already survive a process crash)."""
-        self.env.sync(True)
+        if not self.read_only:
+            self.env.sync(True)
 
     def close(self) -> None:
         if self.env is not None:
-            self.env.sync(True)
+            if not self.read_only:
+                self.env.sync(True)
             self.env.close()
             self.env = None  # type: ignore[assignment]
-            self._lock_file.close()  # drops the flock
+            if self._lock_file is not None:
+                self._lock_file.close()  # drops the flock
 
     def _rebuild_index(self) -> None:
         entries: list[tuple[int, BlockHash, int]] = []

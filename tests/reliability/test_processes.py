@@ -90,9 +90,6 @@ def test_forked_child_reads_through_the_disk_tier_and_the_parent_keeps_working(s
     _parent_keeps_working(store, hashes)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a child forked while the store's I/O thread exists hangs in load(): "
-                   "its copy of the ThreadPoolExecutor counts the parent's idle worker (which does not exist in the "
-                   "child) and starts none, so the DISK read job never runs (TieredStore has no fork handler)")
 def test_forked_child_loads_disk_blocks_bit_exact(stores, tmp_path):
     store, hashes = _on_disk(stores, tmp_path)
 
@@ -104,9 +101,6 @@ def test_forked_child_loads_disk_blocks_bit_exact(stores, tmp_path):
     _parent_keeps_working(store, hashes)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a forked child's spills (a load that makes room, a store) commit into "
-                   "the parent's LMDB database behind the parent's DISK index: the parent's index and database "
-                   "disagree, its cap and usage accounting no longer hold (the child should be read-only on DISK)")
 def test_forked_child_never_writes_into_the_parents_database(stores, tmp_path):
     store, hashes = _on_disk(stores, tmp_path)
 
@@ -122,10 +116,6 @@ def test_forked_child_never_writes_into_the_parents_database(stores, tmp_path):
     _parent_keeps_working(store, hashes)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a forked child reads through the parent's LMDB environment, so its "
-                   "read transactions take reader slots under the parent's pid; a child killed inside one leaves a "
-                   "slot env.reader_check() cannot clear (the pid is alive), pinning an old snapshot: pages freed "
-                   "after it are never reused and the map fills (fix: reopen the environment in the child)")
 def test_forked_child_killed_inside_a_read_leaves_no_reader_slot(stores, tmp_path):
     store, hashes = _on_disk(stores, tmp_path)
     ours, theirs = _FORK.Pipe(duplex=False)
