@@ -196,6 +196,14 @@ def print_table(title: str, rows: Sequence[Row], footnote: str = "") -> None:
         console.print(footnote, highlight=False)
 
 
+def write_outputs(args, name: str, rows: Sequence[Row]) -> None:
+    """``--json PATH`` and ``--plot PATH`` of :func:`arg_parser`, when given."""
+    if getattr(args, "json", None) is not None:
+        write_json(args.json, name, rows)
+    if getattr(args, "plot", None) is not None:
+        write_plot(args.plot, name, rows)
+
+
 def write_json(path: str | Path, name: str, rows: Sequence[Row]) -> None:
     """Write ``{"bench": name, "rows": [...]}`` to ``path`` (parent directories created)."""
     path = Path(path)

@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 import torch  # noqa: E402
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 
-from bench.common import Case, Row, apply_threads, arg_parser, measure, print_table, write_json, write_plot  # noqa: E402
+from bench.common import Case, Row, apply_threads, arg_parser, measure, print_table, write_outputs  # noqa: E402
 from kvtier import metrics  # noqa: E402
 from kvtier.config import StoreConfig  # noqa: E402
 from kvtier.dashboard.stats import StatsHistory  # noqa: E402
@@ -259,10 +259,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
                  "the unit-cost bound above does not depend on it)")
     print_table(f"kvtier metrics overhead (on vs off, same run; scrape every {args.scrape_interval_s} s; "
                 f"{threads} torch threads)", rows, footnote="\n".join(notes))
-    if args.json is not None:
-        write_json(args.json, NAME, rows)
-    if args.plot is not None:
-        write_plot(args.plot, NAME, rows)
+    write_outputs(args, NAME, rows)
     return rows
 
 

@@ -64,7 +64,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import (  # noqa: E402
-    Case, Row, Stat, apply_threads, arg_parser, measure, print_table, write_json, write_plot,
+    Case, Row, Stat, apply_threads, arg_parser, measure, print_table, write_outputs,
 )
 from kvtier.config import parse_bytes  # noqa: E402
 from kvtier.hashing import KeyContext  # noqa: E402
@@ -653,10 +653,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         "pipelines); both verify every record's checksum."
     )
     print_table(title, rows, footnote=footnote)
-    if args.json is not None:
-        write_json(args.json, NAME, rows)
-    if args.plot is not None:
-        write_plot(args.plot, NAME, rows)
+    write_outputs(args, NAME, rows)
     return rows
 
 

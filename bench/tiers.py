@@ -45,7 +45,7 @@ if __package__ in (None, ""):  # run as a script (python bench/tiers.py): make `
 
 import torch  # noqa: E402
 
-from bench.common import Case, Row, raw_read, raw_write, Stat, apply_threads, arg_parser, measure, print_table, write_json, write_plot  # noqa: E402
+from bench.common import Case, Row, raw_read, raw_write, Stat, apply_threads, arg_parser, measure, print_table, write_outputs  # noqa: E402
 from kvtier.config import StoreConfig, parse_bytes  # noqa: E402
 from kvtier.hashing import KeyContext  # noqa: E402
 from kvtier.store import TieredStore  # noqa: E402
@@ -350,10 +350,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         "DISK: LMDB sync=False vs raw file without fsync, page cache warm"
     )
     print_table(title, rows, footnote="\n".join(filter(None, [LMCACHE_NOTE, lmcache_terms(rows)])))
-    if args.json is not None:
-        write_json(args.json, NAME, rows)
-    if args.plot is not None:
-        write_plot(args.plot, NAME, rows)
+    write_outputs(args, NAME, rows)
     return rows
 
 
