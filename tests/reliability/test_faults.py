@@ -2,8 +2,7 @@
 that block and the rest, counted by reason, never wrong bytes and never an exception; every
 kind of write fault leaves the blocks already stored readable and raises nothing
 (guarantees 1 and 3). Plus the fault layer's own contract, and regression tests of the faults
-found while writing these tests (one still open: ``xfail(strict=True)``, which turns into an
-XPASS failure once fixed, so the mark must then be removed).
+these tests found (each docstring says which; all fixed).
 """
 
 from __future__ import annotations

@@ -4,11 +4,12 @@ Fork: what a child forked after the store opened may do. Supported (the goal): t
 reads - ``lookup``/``load`` of blocks on DISK give the exact bytes - and never writes into the
 parent's LMDB database (the parent owns the DISK index, the cap and the accounting; the
 daemon is how processes share a cache); the parent keeps working, and a child killed in the
-middle of a read leaves no reader slot behind. Measured today: reads through the DISK tier
-work; a ``load`` hangs when the parent's I/O threads exist (the child's copy of the thread pool
-believes its idle workers are there), a child's spills write into the parent's database behind
-its index, and a child killed inside a read transaction leaves a reader slot registered under
-the parent's pid (LMDB cannot tell it is stale). Those three are strict xfails below.
+middle of a read leaves no reader slot behind (kvtier's fork handler: ``TieredStore`` and
+``DiskTier`` ``after_fork_in_child``). Found failing before that handler existed: a ``load``
+hung when the parent's I/O threads existed (the child's copy of the thread pool believed its
+idle workers were there), a child's spills wrote into the parent's database behind its index,
+and a child killed inside a read transaction left a reader slot registered under the parent's
+pid (LMDB could not tell it was stale).
 
 Threads: more reader threads than LMDB's default ``max_readers`` (126) read at once without
 exhausting the reader table (kvtier opens the environment with ``max_readers=512`` and reads
