@@ -31,6 +31,31 @@ def chain(n_blocks: int, spec: KVSpec, namespace: bytes, start: int = 0) -> list
     return block_hashes_for(tokens, namespace, spec.block_size)
 
 
+def config_in_blocks(data_dir, gpu=4, cpu=0, disk=0, spec: KVSpec | None = None, **kwargs) -> StoreConfig:
+    """A StoreConfig with capacities counted in blocks of ``spec`` (DISK: in record footprints)."""
+    spec = spec or tiny_spec()
+    return StoreConfig(
+        gpu_bytes=gpu * spec.block_nbytes,
+        cpu_bytes=cpu * spec.block_nbytes,
+        disk_bytes=disk * record_footprint(spec.block_nbytes),
+        block_size=spec.block_size,
+        data_dir=data_dir,
+        **kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """A tiny random-weight Llama (2 layers, 2 K/V heads, head_dim 16), seeded."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
 @pytest.fixture
 def namespace() -> bytes:
     return KeyContext(model_id="test-model", block_size=BLOCK_SIZE).namespace()
@@ -44,17 +69,7 @@ def make_store(tmp_path, namespace):
 
     def factory(gpu_blocks=4, cpu_blocks=0, disk_blocks=0, spec=None, data_dir=None, remote=None, **kwargs):
         spec = spec or tiny_spec()
-        disk_bytes = 0
-        if disk_blocks:
-            disk_bytes = disk_blocks * record_footprint(spec.block_nbytes)
-        config = StoreConfig(
-            gpu_bytes=gpu_blocks * spec.block_nbytes,
-            cpu_bytes=cpu_blocks * spec.block_nbytes,
-            disk_bytes=disk_bytes,
-            block_size=spec.block_size,
-            data_dir=data_dir or tmp_path / "kvtier",
-            **kwargs,
-        )
+        config = config_in_blocks(data_dir or tmp_path / "kvtier", gpu_blocks, cpu_blocks, disk_blocks, spec, **kwargs)
         store = TieredStore(spec, config, namespace, device="cpu", remote=remote)
         stores.append(store)
         return store

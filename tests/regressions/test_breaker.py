@@ -28,9 +28,9 @@ import torch
 from kvtier.config import StoreConfig
 from kvtier.hashing import KeyContext
 from kvtier.store import TieredStore
-from kvtier.tiers.disk import DiskTier, record_footprint
+from kvtier.tiers.disk import DiskTier
 from kvtier.types import KVSpec, Medium
-from tests.conftest import BLOCK_SIZE, chain, random_blocks, tiny_spec
+from tests.conftest import BLOCK_SIZE, chain, config_in_blocks, random_blocks, tiny_spec
 
 SPEC = tiny_spec()
 NS = KeyContext(model_id="test-model", block_size=BLOCK_SIZE).namespace()
@@ -44,15 +44,7 @@ _CHECKSUM_OFFSET = _SEQ_OFFSET + 8  # 88
 
 # -- helpers -----------------------------------------------------------------------------------
 def _config(data_dir, gpu=4, cpu=0, disk=0, spec: KVSpec = SPEC, **kwargs) -> StoreConfig:
-    """Capacities counted in blocks (DISK: in record footprints)."""
-    return StoreConfig(
-        gpu_bytes=gpu * spec.block_nbytes,
-        cpu_bytes=cpu * spec.block_nbytes,
-        disk_bytes=disk * record_footprint(spec.block_nbytes),
-        block_size=spec.block_size,
-        data_dir=data_dir,
-        **kwargs,
-    )
+    return config_in_blocks(data_dir, gpu, cpu, disk, spec, **kwargs)
 
 
 def _open(data_dir, gpu=4, cpu=0, disk=0, spec: KVSpec = SPEC, **kwargs) -> TieredStore:
@@ -722,17 +714,6 @@ def test_second_process_on_the_same_data_dir_is_refused_or_stays_within_the_cap(
 
 # == HF connector on a tiny random Llama ===========================================================
 HF_BLOCK = 16
-
-
-@pytest.fixture(scope="module")
-def llama():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
 
 
 def _hf_config(tmp_path, llama, gpu, cpu=0, disk_bytes=0) -> StoreConfig:

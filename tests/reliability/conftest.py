@@ -23,8 +23,9 @@ from hypothesis import HealthCheck, settings
 from kvtier.config import StoreConfig
 from kvtier.hashing import KeyContext
 from kvtier.store import TieredStore
-from kvtier.tiers.disk import record_footprint
 from kvtier.types import BlockHash, KVSpec
+
+from tests.conftest import config_in_blocks  # noqa: E402
 
 SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=4, block_size=2, dtype=torch.float32)  # 64-byte blocks
 NS = KeyContext(model_id="reliability", block_size=SPEC.block_size).namespace()
@@ -70,14 +71,7 @@ def contents(block_hashes, spec: KVSpec = SPEC) -> torch.Tensor:
 
 def store_config(data_dir, gpu=2, cpu=2, disk=6, spec: KVSpec = SPEC, **kwargs) -> StoreConfig:
     """Capacities in blocks (DISK: in record footprints)."""
-    return StoreConfig(
-        gpu_bytes=gpu * spec.block_nbytes,
-        cpu_bytes=cpu * spec.block_nbytes,
-        disk_bytes=disk * record_footprint(spec.block_nbytes),
-        block_size=spec.block_size,
-        data_dir=data_dir,
-        **kwargs,
-    )
+    return config_in_blocks(data_dir, gpu, cpu, disk, spec, **kwargs)
 
 
 def open_store(data_dir, gpu=2, cpu=2, disk=6, spec: KVSpec = SPEC, namespace: bytes = NS, remote=None,

@@ -19,17 +19,6 @@ BLOCK = 16
 TURNS = 4
 
 
-@pytest.fixture(scope="module")
-def llama():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
 def _prompt(n: int, seed: int) -> torch.Tensor:
     return torch.randint(3, 256, (1, n), generator=torch.Generator().manual_seed(seed))
 
