@@ -23,7 +23,6 @@ handlers find the namespaces under ``request.app[REGISTRY]`` (``for ns in regist
 from __future__ import annotations
 
 import hmac
-import logging
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -36,8 +35,6 @@ from kvtier.server.openapi import openapi
 from kvtier.server.registry import Namespace, Registry, RegistryError, UnknownNamespace
 from kvtier.server.settings import ServeConfig
 from kvtier.wire import MSGPACK, pack, spec_from_wire, spec_to_wire, unpack_map
-
-logger = logging.getLogger(__name__)
 
 SETTINGS = web.AppKey("settings", ServeConfig)
 REGISTRY = web.AppKey("registry", Registry)
