@@ -44,9 +44,10 @@ connection, a timeout (``timeout_s`` per socket operation), a cluster that is do
 protocol error is a miss counted in ``errors`` by reason (``unavailable``, ``timeout``,
 ``corrupt``, ``oom``, ``protocol``, ``conflict``); after one, calls return misses at once
 (counted as ``skipped``) for a pause of ``backoff_s`` doubling up to ``max_backoff_s``
-(kvtier.tiers.backoff, the same policy as the daemon's client), then the next call reconnects. redis-py retries a failed connection once (a pooled socket that went stale
-across a server restart) and never retries a timeout, so one call to a single node waits at
-most about ``2 * timeout_s``. On a cluster, a call whose keys include a node that is down
+(kvtier.tiers.backoff, the same policy as the daemon's client), then the next call
+reconnects. redis-py retries a failed connection once (a pooled socket that went stale across
+a server restart) and never retries a timeout, so one call to a single node waits at most
+about ``2 * timeout_s``. On a cluster, a call whose keys include a node that is down
 is a miss as a whole (redis-py fails the pipeline), until the node is back or failed over.
 """
 
@@ -161,7 +162,8 @@ class RedisTier:
         with self._lock:
             known = self._specs.get(namespace)
             if known is not None and known != spec:
-                raise ValueError(f"namespace {namespace.hex()[:16]} is registered with {describe(known)}, got {describe(spec)}")
+                raise ValueError(f"namespace {namespace.hex()[:16]} is registered with {describe(known)}, "
+                                 f"got {describe(spec)}")
             if namespace in self._conflicts:
                 raise ValueError(f"namespace {namespace.hex()[:16]} is registered on {self.url} with another spec")
             self._specs[namespace] = spec
@@ -176,7 +178,8 @@ class RedisTier:
                         self._specs.pop(namespace, None)  # as if never called
                     else:
                         self._conflicts.add(namespace)  # in use: later calls are misses
-                raise ValueError(f"namespace {namespace.hex()[:16]} is registered on {self.url} with {theirs}, got {describe(spec)}")
+                raise ValueError(f"namespace {namespace.hex()[:16]} is registered on {self.url} with {theirs}, "
+                                 f"got {describe(spec)}")
 
     def lookup(self, namespace: bytes, block_hashes: Sequence[BlockHash]) -> int:
         """Number of leading ``block_hashes`` present (0 when Redis is unreachable).
