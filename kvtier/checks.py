@@ -84,7 +84,8 @@ def check_block_hashes(values: Any, max_blocks: int | None = None) -> list[Block
         values = list(values)
     if max_blocks is not None and len(values) > max_blocks:
         raise BatchTooLarge(f"expected at most {max_blocks} block hashes per call, got {len(values)}")
-    for i, h in enumerate(values):
+    for h in values:  # the store's hot path: no enumerate
         if not isinstance(h, bytes) or len(h) not in BLOCK_HASH_NBYTES:
+            i = next(i for i, x in enumerate(values) if x is h)
             raise ValueError(f"expected block hashes as bytes of 16 or 32 bytes, got {_describe(h)} at index {i}")
     return values if isinstance(values, list) else list(values)

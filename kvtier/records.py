@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import math
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -98,9 +98,9 @@ def encode_header(namespace: bytes, block: torch.Tensor, seq: int = 0) -> bytes:
 
 
 # -- reading -----------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class RecordHeader:
-    """The fields of a record header that passed :func:`parse_header`."""
+class RecordHeader(NamedTuple):
+    """The fields of a record header that passed :func:`parse_header` (a tuple: made on
+    every read, cheaply)."""
 
     dtype: str
     shape: tuple[int, ...]
