@@ -48,6 +48,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from kvtier.checks import check_block_hashes, check_namespace
 from kvtier.config import StoreConfig
 from kvtier.results import Lease, LoadResult, LookupResult, StoreHandle, StoreStats
 from kvtier.tiers.backend import RemoteBackend, make_remote
@@ -97,8 +98,7 @@ class TieredStore:
         device: torch.device | str | None = None,
         remote: RemoteBackend | None = None,
     ) -> None:
-        if not isinstance(namespace, bytes) or len(namespace) != 32:
-            raise ValueError(f"expected a 32-byte namespace (bytes), got {type(namespace).__name__} of length {len(namespace)}")
+        check_namespace(namespace)
         if spec.block_size != config.block_size:
             raise ValueError(f"expected spec.block_size == config.block_size, got {spec.block_size}, {config.block_size}")
         self.spec, self.config, self.namespace = spec, config, namespace
@@ -537,12 +537,9 @@ class TieredStore:
 
     @staticmethod
     def _check_hashes(block_hashes: Sequence[BlockHash]) -> None:
-        """Block hashes are ``bytes`` of 1..511 bytes (LMDB's key limit); anything else would
+        """Block hashes are ``bytes`` of 16 or 32 bytes (kvtier.checks); anything else would
         poison the index and fail later inside other requests' spills."""
-        for h in block_hashes:
-            if not isinstance(h, bytes) or not 0 < len(h) <= 511:
-                got = f"{type(h).__name__} of length {len(h)}" if hasattr(h, "__len__") else type(h).__name__
-                raise ValueError(f"expected block hashes as bytes of 1..511 bytes, got {got}")
+        check_block_hashes(block_hashes)
 
     def _check_block_tensor(self, blocks: torch.Tensor, n: int) -> None:
         expected = (n, *self.spec.block_shape)
