@@ -5,20 +5,10 @@ to pinned CPU memory and then to LMDB on disk; hits come back up before prefill,
 new tokens of a prompt are computed. See docs/architecture.md.
 """
 
-import os as _os
-
-# Triton kernels live in the repository's top-level kernels/ folder and ship as kvtier.kernels
-# (pyproject package-dir). Run from a source tree without installing, make the same import work.
-_src_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "kernels")) and _os.path.isfile(
-    _os.path.join(_src_root, "kernels", "__init__.py")
-):
-    __path__.append(_src_root)  # type: ignore[name-defined]
-
-from kvtier.config import StoreConfig  # noqa: E402
-from kvtier.hashing import KeyContext, hash_block_tokens  # noqa: E402
-from kvtier.store import LookupResult, TieredStore  # noqa: E402
-from kvtier.types import BlockHash, KVSpec, Medium  # noqa: E402
+from kvtier.config import StoreConfig
+from kvtier.hashing import KeyContext, hash_block_tokens
+from kvtier.store import LookupResult, TieredStore
+from kvtier.types import BlockHash, KVSpec, Medium
 
 __all__ = [
     "BlockHash",
