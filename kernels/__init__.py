@@ -119,7 +119,8 @@ def _contiguous_views(
     """Block views ``[num_blocks, block_size, num_kv_heads, head_dim]`` of HF caches
     ``[1, num_kv_heads, seq_len, head_dim]`` from ``start_token`` on (views, no copy)."""
     end = start_token + num_blocks * block_size
-    return [cache[0, :, start_token:end].unflatten(1, (num_blocks, block_size)).permute(1, 2, 0, 3) for cache in caches]
+    split = (num_blocks, block_size)
+    return [cache[0, :, start_token:end].unflatten(1, split).permute(1, 2, 0, 3) for cache in caches]
 
 
 def gather_blocks_to_contiguous(

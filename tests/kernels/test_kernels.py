@@ -1,8 +1,9 @@
 """The Triton kernels against the torch reference: bit-exact, poisoned outputs, odd strides.
 
-Each check calls the public functions of ``kvtier.kernels`` twice, with ``KVTIER_KERNELS=triton``
-and ``=torch``, so the block views they build for each layout are exercised too. On CPU the kernels run in the Triton interpreter (conftest sets ``TRITON_INTERPRET=1``);
-``TestOnCuda`` runs the same checks compiled on a GPU.
+Each check calls the public functions of ``kvtier.kernels`` twice, with
+``KVTIER_KERNELS=triton`` and ``=torch``, so the block views they build for each layout are
+exercised too. On CPU the kernels run in the Triton interpreter (conftest sets
+``TRITON_INTERPRET=1``); ``TestOnCuda`` runs the same checks compiled on a GPU.
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ elements) holds vLLM's block ``[num_kv_heads, block_size, 2 * head_dim]`` verbat
 :func:`paged_view`, ``cache.view(nb, 2, N, H, D).permute(1, 0, 2, 3, 4)``, one block of
 vLLM's cache *is* such a slice, so ``kvtier.kernels.gather_blocks_to_paged`` and
 ``scatter_paged_to_blocks``, given ``view[0]`` and ``view[1]`` as the layer's K and V caches,
-move a block with contiguous copies, and a load restores the exact bytes. The labels K/V, token and head of those slices do not describe their
-content (K is transposed, heads are outermost), so the layout's name, part of the namespace,
+move a block with contiguous copies, and a load restores the exact bytes. The labels K/V,
+token and head of those slices do not describe their content (K is transposed, heads are
+outermost), so the layout's name, part of the namespace,
 is ``vllm-cpu-attn/<isa>/vllm-<version>`` and never kvtier's ``LKVTHD``: these blocks never
 mix with blocks of another layout or ISA, nor with those of another vLLM release (whose
 kernels may lay blocks out differently: an upgrade starts with misses, never with wrong K/V).
