@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvtier.cli import main
+from kvtier.app.cli import main
 from kvtier.records import encode_header
 from kvtier.server.app import REGISTRY, SETTINGS
 from kvtier.server.registry import SPEC_FILE

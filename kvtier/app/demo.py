@@ -40,8 +40,8 @@ import torch
 
 from kvtier.config import StoreConfig
 from kvtier.connectors.hf import HFConnector, cache_kwarg
-from kvtier.models import ModelName, load_model, render_chat, smollm2_installed
-from kvtier.sharegpt import Conversation, select_conversations
+from kvtier.app.models import ModelName, load_model, render_chat, smollm2_installed
+from kvtier.app.sharegpt import Conversation, select_conversations
 
 logger = logging.getLogger(__name__)
 
@@ -198,8 +198,8 @@ class DemoReport:
         Path(path).write_text(json.dumps(self.summary(), indent=2) + "\n")
 
     def write_plot(self, path: str | Path) -> Path:
-        """TTFT per turn without and with kvtier as a PNG (:func:`kvtier.plots.plot_demo`)."""
-        from kvtier.plots import plot_demo
+        """TTFT per turn without and with kvtier as a PNG (:func:`kvtier.app.plots.plot_demo`)."""
+        from kvtier.app.plots import plot_demo
 
         return plot_demo(self.summary(), path)
 
