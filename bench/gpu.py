@@ -218,8 +218,8 @@ def _junit_counts(path: Path) -> tuple[int, int, int] | None:
 # -- step 2: H2D / D2H -------------------------------------------------------------------------
 def evict_gpu(store: TieredStore) -> None:
     """Evict every block of the GPU pool (each spills to the CPU slab unless already there)."""
-    with store._lock:
-        store._make_room(0, store.top.num_blocks)
+    with store.residency.lock:
+        store.placement.make_room(0, store.top.num_blocks)
 
 
 def start_jobs(start: Callable[[TransferJob], Any], src: Medium, dst: Medium, hashes: list, src_ids: list[int],

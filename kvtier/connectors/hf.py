@@ -234,7 +234,7 @@ class HFConnector:
         values: list[torch.Tensor] = []
         if handle.num_blocks:
             pool = self.store.top.tensor
-            ids = torch.tensor([b.top_id for b in handle.blocks], dtype=torch.int64, device=pool.device)
+            ids = torch.tensor(handle.block_ids, dtype=torch.int64, device=pool.device)
             for layer in range(self.store.spec.num_layers):
                 handle.wait_layer(layer)  # on CUDA: this layer's copy only, no host sync
                 k, v = gather_blocks_to_layers(pool[:, layer : layer + 1], ids, check_ids=False)

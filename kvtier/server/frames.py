@@ -40,10 +40,9 @@ from kvtier.server.wire import (
 from kvtier.types import DTYPE_NAMES, BlockHash
 
 if TYPE_CHECKING:
-    from kvtier.results import LoadResult
     from kvtier.server.registry import Namespace, Registry
     from kvtier.server.settings import ServeConfig
-    from kvtier.store import TieredStore
+    from kvtier.store import LoadResult, TieredStore
 
 logger = logging.getLogger(__name__)
 

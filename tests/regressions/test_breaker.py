@@ -275,8 +275,8 @@ def _gc_on_io_thread_child(data_dir, conn) -> None:
     calls = itertools.count()
 
     def lock_held_by_another_thread() -> bool:
-        if store._lock.acquire(blocking=False):
-            store._lock.release()
+        if store.residency.lock.acquire(blocking=False):
+            store.residency.lock.release()
             return False
         return True
 
