@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvtier.hashing import KeyContext, block_hashes_for
@@ -265,3 +266,19 @@ def test_store_does_not_evict_its_own_present_blocks_to_make_room(make_store, na
     assert store.store(hashes, blocks) == 4
     assert all(store.medium_of(h) is Medium.GPU for h in hashes)
     store.check_invariants()
+
+
+def test_record_computed_tokens_counts_under_the_lock_and_refuses_bad_counts(make_store):
+    store = make_store()
+    assert store.stats.computed_tokens == 0 and store.stats.ttft_saved_s is None
+    store.record_computed_tokens(5)
+    store.record_computed_tokens(3, ttft_saved_s=0.25)
+    store.record_computed_tokens(0, ttft_saved_s=0.5)
+    assert store.stats.computed_tokens == 8 and store.stats.ttft_saved_s == 0.75
+    for bad in (-1, True, 1.5, "3"):
+        with pytest.raises(ValueError, match="token count"):
+            store.record_computed_tokens(bad)
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="ttft_saved_s"):
+            store.record_computed_tokens(1, ttft_saved_s=bad)
+    assert store.stats.computed_tokens == 8 and store.stats.ttft_saved_s == 0.75

@@ -225,7 +225,7 @@ class HFConnector:
         ticket.used = True
         with torch.no_grad():
             plan = self._load_into_cache(ticket, block_hashes)
-        self.store.stats.computed_tokens += len(tokens) - plan.num_cached_tokens
+        self.store.record_computed_tokens(len(tokens) - plan.num_cached_tokens)
         return plan
 
     def _load_into_cache(self, ticket: PrefetchTicket, block_hashes: list[BlockHash]) -> PrefillPlan:

@@ -118,3 +118,8 @@ class StoreStats:
     store_failures: Counter = field(default_factory=Counter)  # by reason (DISK full, I/O error)
     loaded_blocks: Counter = field(default_factory=Counter)  # by source medium
     computed_tokens: int = 0  # prompt tokens the engine prefilled after the cached prefix (set by connectors)
+    ttft_saved_s: float | None = None
+    """Prefill seconds the cache saved, as a connector estimates them; ``None`` until one
+    does. A hook: no kvtier connector estimates it yet (metrics, the dashboard and ``kvtier
+    stats`` show it when set). Both connector counts go through
+    ``TieredStore.record_computed_tokens`` (under the store's lock)."""

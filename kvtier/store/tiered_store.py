@@ -259,13 +259,23 @@ class TieredStore:
         self._observe("store", t0)
         return stored
 
-    def record_computed_tokens(self, num_tokens: int) -> None:
-        """Count prompt tokens the engine prefilled itself (after the cached prefix), as a
-        connector reports them (``stats.computed_tokens``), under the store's lock."""
+    def record_computed_tokens(self, num_tokens: int, ttft_saved_s: float | None = None) -> None:
+        """Count what a connector reports after a prefill, under the store's lock: the prompt
+        tokens the engine prefilled itself after the cached prefix (``stats.computed_tokens``)
+        and, when it can estimate them, the prefill seconds the cache saved
+        (``stats.ttft_saved_s``).
+
+        Raises:
+            ValueError: a negative or non-integer token count, a negative or non-finite time.
+        """
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
             raise ValueError(f"expected a token count >= 0, got {num_tokens!r}")
+        if ttft_saved_s is not None and not (isinstance(ttft_saved_s, (int, float)) and 0 <= ttft_saved_s < float("inf")):
+            raise ValueError(f"expected ttft_saved_s >= 0 seconds, got {ttft_saved_s!r}")
         with self.residency.lock:
             self.stats.computed_tokens += num_tokens
+            if ttft_saved_s is not None:
+                self.stats.ttft_saved_s = (self.stats.ttft_saved_s or 0.0) + float(ttft_saved_s)
 
     # -- lifecycle ---------------------------------------------------------------------------
     # (A future ``reset()`` belongs here: under the lock, reap and wait the background writes,
