@@ -160,7 +160,7 @@ class Run:
             gpu_bytes=gpu_blocks * spec.block_nbytes, cpu_bytes=cpu_blocks * spec.block_nbytes, disk_bytes=0,
             block_size=spec.block_size, data_dir=self.work_dir / tag, flush_on_close=False,
         )
-        return TieredStore(spec, config, NAMESPACE, device=self.device)
+        return TieredStore(spec, config, NAMESPACE, device=self.device, emulate_gpu=True)
 
     def gbps_row(self, metric: str, value: Case, baseline: Case, baseline_name: str, nbytes: int) -> Row:
         """Time ``value`` and ``baseline`` interleaved into one GB/s row (best of repeats)."""

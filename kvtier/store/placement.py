@@ -222,12 +222,18 @@ class Placement:
 def make_pools(
     spec: KVSpec, config: StoreConfig, device: torch.device | str | None, emulate_gpu: bool = False
 ) -> list[BlockPool]:
-    """The memory pools, top first, named by where they live: a GPU pool only on a non-CPU
-    ``device`` (or ``emulate_gpu``); on a CPU device the GPU budget joins the CPU pool."""
+    """The memory pools, top first, named by where they live.
+
+    A GPU pool (``config.gpu_bytes``) is built only on a non-CPU ``device`` (default: ``cuda``
+    when available). On a CPU device its budget joins the CPU pool, which is then the top
+    pool: no tier is called GPU where there is no GPU, and the host memory used is the same
+    as the config asks for. ``emulate_gpu`` builds the GPU pool on the CPU device anyway (a
+    two-pool hierarchy for tests and benchmarks without CUDA; ``pool.device`` says cpu).
+    """
     cuda = torch.cuda.is_available()
     device = torch.device(device if device is not None else ("cuda" if cuda else "cpu"))
-    gpu_pool = config.gpu_bytes > 0
-    cpu_bytes = config.cpu_bytes
+    gpu_pool = config.gpu_bytes > 0 and (device.type != "cpu" or emulate_gpu)
+    cpu_bytes = config.cpu_bytes + (0 if gpu_pool else config.gpu_bytes)
     pools = []
     if gpu_pool:
         pools.append(BlockPool(Medium.GPU, spec, config.gpu_bytes, device))

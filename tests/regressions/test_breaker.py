@@ -48,7 +48,7 @@ def _config(data_dir, gpu=4, cpu=0, disk=0, spec: KVSpec = SPEC, **kwargs) -> St
 
 
 def _open(data_dir, gpu=4, cpu=0, disk=0, spec: KVSpec = SPEC, **kwargs) -> TieredStore:
-    return TieredStore(spec, _config(data_dir, gpu, cpu, disk, spec, **kwargs), NS, device="cpu")
+    return TieredStore(spec, _config(data_dir, gpu, cpu, disk, spec, **kwargs), NS, device="cpu", emulate_gpu=True)
 
 
 @pytest.fixture
