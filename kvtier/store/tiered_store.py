@@ -16,18 +16,9 @@ Protocol (the order every caller follows; vLLM kv_offload/abstract.py names the 
     complete_store(handle, ok)                        publishes (or frees) them
     store(block_hashes, blocks) / store_with(block_hashes, write)   both store steps, chunked
 
-The work is done by one module each, below this one (none reaches into another's private
-names): :mod:`~kvtier.store.lookup` (the one lookup path that counts),
-:mod:`~kvtier.store.prefetch` (plan, submit, stage, publish, cancel),
-:mod:`~kvtier.store.placement` (where blocks are; eviction and spills),
-:mod:`~kvtier.store.stores` (prepare, complete, chunked stores),
-:mod:`~kvtier.store.writes` (write-through and REMOTE puts in the background),
-:mod:`~kvtier.store.residency` (pins, pending slots, deferred cleanups, the lock),
-:mod:`~kvtier.store.results` (the types callers get).
-
-Tiers are named by where they live: a GPU pool exists only on a CUDA device. On a host
-device the GPU budget joins the CPU pool, which is then the top pool (``emulate_gpu``
-builds the GPU pool in host memory anyway, for tests and benchmarks of the hierarchy).
+The work is done by the modules below this one (listed in :mod:`kvtier.store`); none
+reaches into another's private names. Tiers are named by where they live: a GPU pool exists
+only on a CUDA device (see :func:`kvtier.store.placement.make_pools`).
 
 Threads: every public method takes the store's lock; transfers run outside it on slots that
 are pinned and pending until their results are consumed. REMOTE calls are never made under
