@@ -49,7 +49,8 @@ class StoreConfig:
     """Capacities in bytes and the store's policies. A capacity of 0 disables that tier."""
 
     gpu_bytes: int = 1 << 30
-    """GPU paged pool size, bytes. On a machine without CUDA the pool sits in host memory."""
+    """GPU paged pool size, bytes. Without a CUDA device there is no GPU pool: these bytes
+    join the CPU pool, which is then the top pool."""
     cpu_bytes: int = 4 << 30
     """CPU slab size, bytes (pinned when CUDA is available)."""
     disk_bytes: int = 16 << 30

@@ -393,7 +393,7 @@ def run_demo(
         try:
             disk_before = len(connector.store.disk) if connector.store.disk is not None else 0
             if console is not None:
-                console.print(_start_lines(options, config, model_id, conversations, skipped, disk_before))
+                console.print(_start_lines(options, config, model_id, conversations, skipped, disk_before, connector.store.pools))
             warm_up(model)
             load_s = time.perf_counter() - t_load
             load_before = _load_average()
@@ -419,9 +419,10 @@ def _load_average() -> float:
 
 def _start_lines(
     options: DemoOptions, config: StoreConfig, model_id: str, conversations: list[Conversation],
-    skipped: int, disk_blocks: int,
+    skipped: int, disk_blocks: int, pools: list,
 ) -> str:
-    gpu_note = "" if torch.cuda.is_available() else " (no CUDA: the GPU pool sits in host memory)"
+    # the store's pools as they are: without CUDA there is no GPU pool (its budget joins CPU)
+    memory = ", ".join(f"{p.medium} {p.capacity_bytes >> 20} MiB ({p.device})" for p in pools)
     history = "the model's own replies" if options.history == "model" else "the dataset's replies"
     return (
         f"model {model_id}; {len(conversations)} ShareGPT conversations x {options.num_turns} turns "
@@ -429,7 +430,7 @@ def _start_lines(
         + (f" or history < {options.min_history_tokens}" if options.min_history_tokens else "")
         + f"; messages cut to {options.max_message_tokens} tokens); history = {history}; "
         f"greedy, {options.max_new_tokens} new tokens per turn; {torch.get_num_threads()} torch threads\n"
-        f"store: GPU {config.gpu_bytes >> 20} MiB{gpu_note}, CPU {config.cpu_bytes >> 20} MiB, "
+        f"store: {memory}, "
         f"DISK {config.disk_bytes >> 20} MiB at {config.data_dir / 'disk'} "
         f"({disk_blocks} blocks there from earlier runs); block_size {config.block_size}"
     )

@@ -35,10 +35,9 @@ from kvtier.types import DTYPE_NAMES, BlockHash
 from kvtier.wire import END, FRAMES, block_bytes, frame_prefix, max_frames_nbytes
 
 if TYPE_CHECKING:
-    from kvtier.results import LoadResult
     from kvtier.server.registry import Namespace, Registry
     from kvtier.server.settings import ServeConfig
-    from kvtier.store import TieredStore
+    from kvtier.store import LoadResult, TieredStore
 
 logger = logging.getLogger(__name__)
 

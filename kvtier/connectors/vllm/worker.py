@@ -40,8 +40,7 @@ from kvtier.connectors.vllm.lookup import LookupServer, MatchReply
 from kvtier.connectors.vllm.metadata import KVTierMetadata
 from kvtier.connectors.vllm.options import ConnectorOptions
 from kvtier.kernels import gather_blocks_to_paged, scatter_paged_to_blocks
-from kvtier.results import Lease, StoreHandle
-from kvtier.store import PrefetchHandle, TieredStore
+from kvtier.store import Lease, PrefetchHandle, StoreHandle, TieredStore
 
 logger = logging.getLogger(__name__)
 
