@@ -9,6 +9,11 @@ walk the chain here, so the hit rate users see is the same whichever they call:
 3. under the lock: the local tiers again after the REMOTE run (the prefix is whatever every
    tier holds together), then 2 again, until a tier misses.
 
+A walk that a reset overtakes (``TieredStore.reset``: a new generation, see
+:mod:`kvtier.store.residency`) stops at its REMOTE part, and no walk asks REMOTE while a reset
+empties the REMOTE namespace (``remote_clearing``): a block from before the reset is never
+found there.
+
 Counting (``stats``): ``lookup_blocks`` (blocks asked), ``hit_blocks`` by medium,
 ``remote_lookup_blocks`` (blocks asked of REMOTE). A repeated ``request_id`` (a retried
 schedule) counts once (case M1); ``count=False`` counts nothing (the daemon's get, whose
@@ -52,19 +57,24 @@ class ChainLookup:
         self._placement, self._residency, self._stats = placement, residency, stats
         self._remote, self._namespace, self._check_open = remote, namespace, check_open
         self._counted_requests: dict[str, None] = {}  # insertion-ordered, bounded
+        self.remote_clearing = 0
+        """Resets emptying the REMOTE namespace right now (set by the store under its lock):
+        REMOTE is not asked meanwhile."""
 
     def walk(
         self, block_hashes: Sequence[BlockHash], request_id: str | None = None, count: bool = True,
         pin: bool = False, blocking: bool = True,
-    ) -> tuple[list[Medium], Lease | None] | None:
-        """The medium of each leading block some tier holds, and a lease on the local prefix
-        when ``pin``. ``blocking=False``: ``None`` at once if another thread holds the lock,
-        and REMOTE is not asked (an event loop calls it inline: the daemon)."""
+    ) -> tuple[list[Medium], Lease | None, int] | None:
+        """The medium of each leading block some tier holds, a lease on the local prefix
+        when ``pin``, and the store's generation the walk saw. ``blocking=False``: ``None``
+        at once if another thread holds the lock, and REMOTE is not asked (an event loop
+        calls it inline: the daemon)."""
         lock, stats = self._residency.lock, self._stats
         if not lock.acquire(blocking=blocking):
             return None
         try:
             self._check_open()
+            generation = self._residency.generation
             media = self._placement.local_prefix(block_hashes)
             lease = self._residency.lease(block_hashes[: len(media)]) if pin and media else None
             count = count and self._first_count(request_id)
@@ -73,10 +83,12 @@ class ChainLookup:
                 stats.hit_blocks.update(media)
         finally:
             lock.release()
-        while blocking and self._remote is not None and len(media) < len(block_hashes):
+        while blocking and self._remote is not None and not self.remote_clearing and len(media) < len(block_hashes):
             rest = block_hashes[len(media) :]
             num_remote = self._remote_lookup(rest)
             with lock:
+                if not self._residency.is_current(generation):
+                    break  # a reset came in between: the REMOTE answer may predate it
                 if count:
                     stats.remote_lookup_blocks += len(rest)
                     stats.hit_blocks[Medium.REMOTE] += num_remote
@@ -89,7 +101,7 @@ class ChainLookup:
             if not more:
                 break
             media += more
-        return media, lease
+        return media, lease, generation
 
     def _first_count(self, request_id: str | None) -> bool:
         """Whether this lookup's events are counted (the caller holds the lock)."""
@@ -109,7 +121,9 @@ class ChainLookup:
         try:
             num_hit = int(remote.lookup(self._namespace, block_hashes))
         except Exception as exc:  # a backend bug or a reply it did not expect: a miss, not an error
-            logger.warning("REMOTE lookup failed: %r", exc)
+            # Log its text, not the exception: a handler that keeps records (pytest's does)
+            # would keep its traceback, the caller's frame and the lease pinned in it.
+            logger.warning("REMOTE lookup failed: %s", repr(exc))
             remote.errors["lookup_error"] += 1
             return 0
         return min(max(num_hit, 0), len(block_hashes))

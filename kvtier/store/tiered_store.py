@@ -15,6 +15,7 @@ Protocol (the order every caller follows; vLLM kv_offload/abstract.py names the 
     (caller writes top.tensor[handle.block_ids])
     complete_store(handle, ok)                        publishes (or frees) them
     store(block_hashes, blocks) / store_with(block_hashes, write)   both store steps, chunked
+    reset()                                           every tier empty (kvtier.store.reset)
 
 The work is done by the modules below this one (listed in :mod:`kvtier.store`); none
 reaches into another's private names. Tiers are named by where they live: a GPU pool exists
@@ -41,15 +42,16 @@ from kvtier.config import StoreConfig
 from kvtier.store.lookup import ChainLookup
 from kvtier.store.placement import Placement, make_pools
 from kvtier.store.prefetch import Prefetcher, PrefetchHandle
+from kvtier.store.reset import empty_local_tiers, empty_remote
 from kvtier.store.residency import Residency
-from kvtier.store.results import LoadResult, LookupResult, StoreHandle, StoreStats
+from kvtier.store.results import LoadResult, LookupResult, ResetResult, StoreHandle, StoreStats
 from kvtier.store.stores import StorePath
 from kvtier.store.writes import BackgroundWrites
 from kvtier.tiers.backend import RemoteBackend, make_remote
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.pool import BlockPool
 from kvtier.transfer.engine import TransferEngine
-from kvtier.transfer.handlers import DiskHandler, PoolCopyHandler, RemoteHandler, slot_runs
+from kvtier.transfer.handlers import register_handlers, slot_runs
 from kvtier.types import BlockHash, KVSpec, Medium
 
 
@@ -99,7 +101,13 @@ class TieredStore:
         self._lookups = ChainLookup(self.placement, self.residency, self.stats, self.remote, namespace, self._check_open)
         self._start_io()
         ref = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: (store := ref()) is not None and store._after_fork_in_child())
+        # The forking thread holds the store's lock across fork(): no other thread is then in
+        # the middle of changing the pools or the pins, so the child's copy is consistent.
+        os.register_at_fork(
+            before=lambda: (store := ref()) is not None and store.residency.lock.acquire(),
+            after_in_parent=lambda: (store := ref()) is not None and store.residency.lock.release(),
+            after_in_child=lambda: (store := ref()) is not None and store._after_fork_in_child(),
+        )
         self.observe: Callable[[str, float], None] | None = None
         """Latency hook: ``observe(op, seconds)`` after each ``lookup``, ``load`` (prefetch
         submit to ``wait`` done) and ``store`` (``store``/``store_with``); kvtier.metrics
@@ -175,7 +183,7 @@ class TieredStore:
         walked = self._lookups.walk(block_hashes, request_id, pin=pin, blocking=blocking)
         if walked is None:
             return None
-        media, lease = walked
+        media, lease, _ = walked
         self._observe("lookup", t0)
         return LookupResult(len(media), media, lease)
 
@@ -188,11 +196,11 @@ class TieredStore:
         :meth:`lookup` counts it; ``request_id``: see :meth:`lookup`; ``count=False``: not a
         lookup (the daemon's get, whose lookup was counted already)."""
         _check_hashes(block_hashes)
-        media, _ = self._lookups.walk(block_hashes, request_id, count=count)
+        media, _, generation = self._lookups.walk(block_hashes, request_id, count=count)
         with self.residency.lock:
             self._check_open()
             self._writes.reap()
-            return self._prefetcher.plan(block_hashes, media)
+            return self._prefetcher.plan(block_hashes, media, generation)
 
     def load(self, block_hashes: Sequence[BlockHash], request_id: str | None = None, count: bool = True) -> LoadResult:
         """``prefetch(block_hashes).wait()``: the leading cached blocks in the top pool,
@@ -269,8 +277,36 @@ class TieredStore:
                 self.stats.ttft_saved_s = (self.stats.ttft_saved_s or 0.0) + float(ttft_saved_s)
 
     # -- lifecycle ---------------------------------------------------------------------------
-    # (A future ``reset()`` belongs here: under the lock, reap and wait the background writes,
-    # then empty the pools, DISK and the residency state, as close() tears them down.)
+    def reset(self, remote: bool = True) -> ResetResult:
+        """Empty every tier for this store: the memory pools, its DISK records and (with
+        ``remote``, when the backend can) its REMOTE namespace, for every process sharing it.
+        Counters are kept; usage goes to 0. What is in flight (:mod:`kvtier.store.reset`):
+        a prefetch publishes nothing (its ``wait()`` is an empty LoadResult) and frees its
+        slots; a store prepared before publishes nothing; a LoadResult's blocks keep their
+        bytes until its lease is released; background writes land before the reset.
+
+        Raises:
+            RuntimeError: the store is closed, or this is a forked child (DISK is read-only
+                here; nothing was changed).
+        """
+        with self.residency.lock:
+            self._check_open()
+            self._writes.reap(wait=True)  # in flight: land now, never after the reset
+            dropped = empty_local_tiers(self.pools, self.disk, self.residency)
+            clear_remote = remote and self.remote is not None
+            if clear_remote:
+                self._lookups.remote_clearing += 1
+        if not clear_remote:
+            return ResetResult(dropped, None)
+        try:
+            removed = empty_remote(self.remote, self.namespace)
+        finally:
+            with self.residency.lock:
+                self._lookups.remote_clearing -= 1
+        if removed is not None:
+            dropped["REMOTE"] = removed
+        return ResetResult(dropped, removed is not None)
+
     def wait_for_writes(self) -> None:
         """Block until background writes (write-through to DISK, puts to REMOTE) are done
         and released."""
@@ -332,8 +368,11 @@ class TieredStore:
     def _after_fork_in_child(self) -> None:
         """A forked child may read (its own read-only DISK view, new I/O threads: the
         parent's do not exist in the child) and use its copies of the memory tiers; it never
-        writes the parent's DISK directory (guarantee 5, docs/reliability.md)."""
-        self.residency.after_fork_in_child()
+        writes the parent's DISK directory (guarantee 5, docs/reliability.md). It starts with
+        no pin and no pending slot: those of the parent's prefetches and stores are dropped
+        and their slots freed, and their handles are inert here (kvtier.store.residency)."""
+        self.residency.after_fork_in_child(self.pools)  # no pin or pending slot of the parent's threads
+        self._lookups.remote_clearing = 0
         self._executor = ThreadPoolExecutor(self.config.num_io_threads, thread_name_prefix="kvtier-io")
         if self._closed:
             return
@@ -361,30 +400,6 @@ class TieredStore:
             raise ValueError(f"expected blocks of shape {expected}, got {got}")
         if blocks.dtype != self.spec.dtype:
             raise ValueError(f"expected blocks of dtype {self.spec.dtype}, got {blocks.dtype}")
-
-
-def register_handlers(
-    engine: TransferEngine, pools: list[BlockPool], disk: DiskTier | None, remote: RemoteBackend | None,
-    namespace: bytes, executor: ThreadPoolExecutor,
-) -> TransferEngine:
-    """Register a handler for every (source, destination) medium pair a store uses."""
-    for upper, lower in zip(pools, pools[1:]):
-        # loads record one event per layer, so layer i can be used before layer i+1 lands
-        engine.register(lower.medium, upper.medium, PoolCopyHandler(lower, upper, per_layer=True))
-        engine.register(upper.medium, lower.medium, PoolCopyHandler(upper, lower))
-    host_pools = [p for p in pools if p.tensor.device.type == "cpu"]
-    if disk is not None:
-        for pool in host_pools:
-            handler = DiskHandler(disk, pool, namespace, executor)
-            engine.register(Medium.DISK, pool.medium, handler)
-            engine.register(pool.medium, Medium.DISK, handler)
-    if remote is not None:
-        for pool in pools:
-            handler = RemoteHandler(remote, pool, namespace, executor)
-            engine.register(pool.medium, Medium.REMOTE, handler)
-            if pool in host_pools:
-                engine.register(Medium.REMOTE, pool.medium, handler)
-    return engine
 
 
 def _check_hashes(block_hashes: Sequence[BlockHash]) -> None:
