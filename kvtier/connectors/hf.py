@@ -39,7 +39,7 @@ import torch
 from kvtier.config import StoreConfig
 from kvtier.hashing import KeyContext, block_hashes_for
 from kvtier.kernels import gather_blocks_to_layers, scatter_contiguous_to_blocks
-from kvtier.store import PrefetchHandle, TieredStore
+from kvtier.store import PrefetchHandle, ResetResult, TieredStore
 from kvtier.types import KV_LAYOUT, BlockHash, KVSpec, Medium, dtype_name
 
 logger = logging.getLogger(__name__)
@@ -273,6 +273,14 @@ class HFConnector:
 
         with torch.no_grad():
             return self.store.store_with(block_hashes, write)
+
+    def reset(self, remote: bool = True) -> ResetResult:
+        """Empty every tier of the store (:meth:`TieredStore.reset`; ``remote``: the REMOTE
+        namespace too, for every process sharing it): the next prompts miss. A ticket from
+        :meth:`prefetch` taken before loads nothing (``before_prefill`` computes the whole
+        prompt). Use it after changing the model's weights in place without a new
+        ``model_revision``."""
+        return self.store.reset(remote)
 
     def close(self) -> None:
         self.store.close()
