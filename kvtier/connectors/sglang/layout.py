@@ -175,8 +175,11 @@ def page_layout_for(host_pool: Any, is_mla: bool) -> PageLayout:
 def _check_buffer(layout: PageLayout, kv: torch.Tensor) -> None:
     """The buffer's dimensions other than its token/page axis are what the layout says."""
     page_shape = layout.host_page_shape
-    probe = layout.host_page(kv, 0)
-    if tuple(probe.shape) != page_shape:
+    try:
+        probe_shape = tuple(layout.host_page(kv, 0).shape)
+    except IndexError:  # fewer dimensions than the layout has
+        probe_shape = ()
+    if probe_shape != page_shape:
         raise ValueError(
             f"expected a {layout.kind} {layout.host_layout} kv_buffer whose page is {page_shape}, "
             f"got kv_buffer {tuple(kv.shape)}"
