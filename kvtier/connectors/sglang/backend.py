@@ -274,23 +274,30 @@ class KVTierStorage(HiCacheStorage):
         return starts
 
     def _read(self, keys: List[str], dest: Callable[[int], torch.Tensor]) -> List[bool]:
-        """Load pages in chunks of half the CPU pool and copy each into ``dest(i)`` (a
-        canonical page view); stops at the first page that is not read."""
+        """Load pages and copy each into ``dest(i)`` (a canonical page view); stops at the
+        first page that is not read. Pages go through the CPU pool in chunks of a quarter of
+        it, two in flight: the I/O threads read chunk k+1 from DISK/REMOTE while this thread
+        copies chunk k out (half the pool stays free for the backup thread's stores)."""
         store = self.store
         hashes = block_hashes(self.namespace, keys)
-        chunk = max(1, store.top.num_blocks // 2)
+        chunk = max(1, store.top.num_blocks // 4)
+        starts = list(range(0, len(hashes), chunk))
+        pending = store.prefetch(hashes[:chunk]) if starts else None
         done = 0
-        while done < len(hashes):
-            want = min(chunk, len(hashes) - done)
-            result = store.load(hashes[done : done + want])
+        for n, start in enumerate(starts):
+            want = min(chunk, len(hashes) - start)
+            result = pending.wait()
+            pending = None
             try:
+                if len(result.block_ids) == want and n + 1 < len(starts):
+                    pending = store.prefetch(hashes[start + chunk : start + 2 * chunk])
                 top = store.top.tensor
                 for i, block_id in enumerate(result.block_ids):
-                    dest(done + i).copy_(self.layout.block(top[block_id]))
+                    dest(start + i).copy_(self.layout.block(top[block_id]))
             finally:
                 result.lease.release()
             done += len(result.block_ids)
-            if len(result.block_ids) < want:
+            if pending is None:
                 break
         return [True] * done + [False] * (len(keys) - done)
 
