@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     )
     print_table(title, rows, footnote=(
         f"kvtier gets: {from_disk:.0%} of pages from its DISK tier (the rest from its {args.cpu_bytes} CPU pool); "
-        f"at capacity, every put evicts the previous run's pages on both sides; no fsync on either side; "
+        f"both at capacity (1.5x one run's pages): puts evict earlier runs' pages on both sides; no fsync on either side; "
         f"scale: torch copy in memory on this host {copy:.1f} GB/s"))
     write_outputs(args, NAME, rows)
     return rows
