@@ -241,3 +241,22 @@ def test_hybrid_model_pools_and_mla_without_remote_on_several_ranks_are_refused(
         KVTierStorage(storage_config(tmp_path, is_mla=True, tp_size=2, tp_rank=1))
     with pytest.raises(ValueError, match="unknown kvtier keys"):
         KVTierStorage(storage_config(tmp_path, disk_byte="1GiB"))
+
+
+def test_pages_acknowledged_at_a_full_disk_stay_readable(make_backend) -> None:
+    """Regression: the store sizes a write-through's DISK evictions from the usage it sees,
+    which did not count a write still in flight; two in flight at a full DISK made the second
+    fail as "full" after SGLang was told the pages were stored."""
+    from kvtier.tiers.disk import record_footprint
+
+    host = new_host_pool(num_pages=16)
+    page_nbytes = 2 * 2 * PAGE_SIZE * 2 * 8 * 4
+    backend = make_backend(host, cpu_bytes=4 * page_nbytes, disk_bytes=6 * record_footprint(page_nbytes))
+    src = host.alloc(6 * PAGE_SIZE)
+    for round_index in range(4):  # each round: 6 new pages, evicting the last round's
+        keys = page_keys(6, start=1000 * round_index)
+        fill_random(host, src, seed=round_index)
+        assert backend.batch_set_v1(keys, src) == [True] * 6
+        backend.store.wait_for_writes()
+        assert backend.batch_exists(keys) == 6, f"round {round_index}"
+    assert not backend.store.stats.store_failures

@@ -302,13 +302,32 @@ class KVTierStorage(HiCacheStorage):
         return [True] * done + [False] * (len(keys) - done)
 
     def _write(self, keys: List[str], src: Callable[[int], torch.Tensor]) -> int:
-        """Store pages (``src(i)``: canonical page view); returns the leading count stored."""
+        """Store pages (``src(i)``: canonical page view) in chunks of half the CPU pool;
+        returns the leading count stored.
+
+        Each chunk is copied into the pool while the previous chunk's DISK (and REMOTE) write
+        runs on the I/O threads; the chunk is published (``complete_store``, which sizes the
+        DISK evictions its own write needs and submits it) only once that write is done. The
+        store sizes those evictions from the DISK usage it sees, which does not yet count a
+        write still in flight: two in flight at a full DISK made the second one fail as
+        "full" (a page acknowledged to SGLang, then lost when the CPU pool evicted it).
+        """
         store = self.store
-        layout = self.layout
-
-        def write(indices: list[int], block_ids: list[int]) -> None:
-            top = store.top.tensor
-            for i, block_id in zip(indices, block_ids):
-                layout.block(top[block_id]).copy_(src(i))
-
-        return store.store_with(block_hashes(self.namespace, keys), write)
+        hashes = block_hashes(self.namespace, keys)
+        chunk = max(1, store.top.num_blocks // 2)
+        stored = 0
+        for start in range(0, len(hashes), chunk):
+            handle = store.prepare_store(hashes[start : start + chunk])
+            ok = False
+            try:
+                top = store.top.tensor
+                for i, block_id in zip(handle.indices, handle.block_ids):
+                    self.layout.block(top[block_id]).copy_(src(start + i))
+                ok = True
+            finally:
+                store.wait_for_writes()
+                store.complete_store(handle, success=ok)
+            stored = start + handle.num_blocks
+            if stored < min(start + chunk, len(hashes)):
+                break
+        return stored
