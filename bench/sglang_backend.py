@@ -134,6 +134,7 @@ def run(b: Bench, repeats: int, stat) -> tuple[list[Row], float]:
 
     puts = measure([Case(kvtier_put, new_round), Case(lambda: b.put(b.file_ctrl))], repeats)
     stats = b.kvtier.store.stats
+    assert not stats.store_failures, f"kvtier dropped writes: {dict(stats.store_failures)}"
     loaded_before = sum(stats.loaded_blocks.values()), stats.loaded_blocks["DISK"]
     gets = measure([Case(lambda: b.get(b.kvtier_ctrl)), Case(lambda: b.get(b.file_ctrl))], repeats)
     loaded = sum(stats.loaded_blocks.values()) - loaded_before[0]
