@@ -52,6 +52,7 @@ from kvtier.connectors.hf_cache import (
     scatter_from_layers,
 )
 from kvtier.store import PrefetchHandle, TieredStore
+from kvtier.tiers.backend import RemoteBackend
 from kvtier.types import BlockHash, Medium, dtype_name
 
 __all__ = ["HFConnector", "PrefetchTicket", "PrefillPlan", "UnsupportedModelError", "cache_kwarg", "kv_spec_for",
@@ -172,11 +173,14 @@ class HFConnector:
         lora_name: str | None = None,
         lora_version: str | None = None,
         cache_salt: str | None = None,
+        remote: RemoteBackend | None = None,
     ) -> "HFConnector":
         """Build the key context and a store (GPU pool on the model's device) for ``model``.
 
         ``config`` defaults to ``StoreConfig.from_env()``; ``model_revision`` defaults to
-        :func:`weights_fingerprint`.
+        :func:`weights_fingerprint`; ``remote`` is a REMOTE backend to use instead of the one
+        ``config.remote_url`` names (e.g. ``kvtier.testing.MemoryRemote``; not closed with
+        the connector).
 
         Raises:
             UnsupportedModelError: a model kvtier cannot serve exactly (linear attention,
@@ -195,7 +199,7 @@ class HFConnector:
             cache_salt=cache_salt,
             hash_name=config.hash_name,
         )
-        store = TieredStore(spec, config, key_context.namespace(), device=model.device)
+        store = TieredStore(spec, config, key_context.namespace(), device=model.device, remote=remote)
         return cls(model, store, key_context)
 
     # -- hooks -------------------------------------------------------------------------------
