@@ -276,6 +276,16 @@ class KVSpec:
                 shapes[layer] = (g.num_kv_heads, g.k_head_dim, g.v_head_dim)
         return shapes
 
+    def layer_ranges(self) -> list[tuple[int, int]]:
+        """``(start, stop)`` element offsets of each layer's K and V within a block (layers
+        are contiguous in both layouts: a layer of a block is one slab)."""
+        ranges, offset = [], 0
+        for heads, k_dim, v_dim in self.layer_shapes():
+            size = self.block_size * heads * (k_dim + v_dim)
+            ranges.append((offset, offset + size))
+            offset += size
+        return ranges
+
     def layer_views(self, pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer K and V views of blocks in this layout (no copy).
 
