@@ -340,3 +340,40 @@ def _uniform_shape(groups: Sequence[LayerGroup]) -> tuple[int, int] | None:
         return None
     heads, k_dim, v_dim = shapes.pop()
     return (heads, k_dim) if k_dim == v_dim else None
+
+
+_GROUP_KEYS = ("kind", "layers", "num_kv_heads", "k_head_dim", "v_head_dim", "window")
+_MAX_WIRE_LAYERS = 1 << 12
+
+
+def groups_to_wire(spec: KVSpec) -> list[dict]:
+    """``spec.groups`` as plain maps (msgpack/JSON): ``[{"kind", "layers", "num_kv_heads",
+    "k_head_dim", "v_head_dim", "window"}, ...]``; ``[]`` for a full-attention spec."""
+    return [{key: list(g.layers) if key == "layers" else getattr(g, key) for key in _GROUP_KEYS} for g in spec.groups]
+
+
+def spec_from_groups_wire(obj: object, block_size: object, dtype: torch.dtype) -> KVSpec:
+    """Inverse of :func:`groups_to_wire` (with the spec's block_size and dtype), parsed
+    strictly: a list of maps with exactly the keys above, ints in range, at most 4096 layers.
+
+    Raises:
+        ValueError: anything else, saying what is wrong.
+    """
+    if not isinstance(obj, list) or not obj or len(obj) > _MAX_WIRE_LAYERS:
+        raise ValueError(f"expected groups as a non-empty list of maps, got {type(obj).__name__}")
+    _positive_int("block_size", block_size)
+    groups = []
+    for item in obj:
+        if not isinstance(item, dict) or set(item) != set(_GROUP_KEYS):
+            got = sorted(item) if isinstance(item, dict) else type(item).__name__
+            raise ValueError(f"expected a group map with keys {sorted(_GROUP_KEYS)}, got {got}")
+        layers = item["layers"]
+        if not isinstance(layers, list) or len(layers) > _MAX_WIRE_LAYERS:
+            raise ValueError(f"expected layers as a list of at most {_MAX_WIRE_LAYERS} ints, got {layers!r}")
+        for key in ("num_kv_heads", "k_head_dim", "v_head_dim", "window"):
+            value = item[key]
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value >= 1 << 31):
+                raise ValueError(f"expected {key} as an int below 2**31, got {value!r}")
+        groups.append(LayerGroup(item["kind"], tuple(layers), item["num_kv_heads"], item["k_head_dim"],
+                                 item["v_head_dim"], item["window"]))
+    return KVSpec.from_groups(groups, block_size, dtype)  # type: ignore[arg-type]
