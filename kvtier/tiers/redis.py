@@ -78,7 +78,7 @@ except ImportError:  # only RedisTier needs it
     redis = None  # type: ignore[assignment]
 
 from kvtier.records import ReadStatus, decode_into, encode_header, encode_record, record_nbytes
-from kvtier.types import KV_LAYOUT, BlockHash, KVSpec, dtype_name
+from kvtier.types import BlockHash, KVSpec, dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -546,7 +546,7 @@ def _spec_record(spec: KVSpec) -> bytes:
     return msgpack.packb(
         {
             "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
-            "block_size": spec.block_size, "dtype": dtype_name(spec.dtype), "kv_layout": KV_LAYOUT,
+            "block_size": spec.block_size, "dtype": dtype_name(spec.dtype), "kv_layout": spec.layout_name,
         },
         use_bin_type=True,
     )
