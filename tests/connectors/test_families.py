@@ -157,6 +157,32 @@ def test_remote_hits_in_another_store(name, tmp_path):
         second.close()
 
 
+@pytest.mark.parametrize("name", LAYOUT_KINDS)
+def test_remote_hits_through_the_daemon(name, tmp_path):
+    """The real daemon (kvtier serve's app on a thread), one family per block layout: its
+    register call carries the layer groups; blocks another store put come back verified."""
+    from kvtier.server.app import REGISTRY
+    from tests.server.conftest import ThreadDaemon, serve_settings
+
+    model = model_of(name)
+    spec = kv_spec_for(model, BLOCK)
+    daemon = ThreadDaemon(serve_settings(tmp_path / "daemon", spec=spec)).start()
+    try:
+        ids = prompt(PROMPT, seed=1)
+        first = HFConnector.from_model(model, config(tmp_path / "a", spec=spec, remote_url=daemon.url), model_id=name)
+        run(model, ids, first)
+        first.close()
+        second = HFConnector.from_model(model, config(tmp_path / "b", spec=spec, remote_url=daemon.url), model_id=name)
+        try:
+            check_same(name, ids, 1, second, Medium.REMOTE, CACHED)
+        finally:
+            second.close()
+        registered = daemon.call(lambda: [entry.spec for entry in daemon.app[REGISTRY].namespaces.values()])
+        assert registered == [spec]
+    finally:
+        daemon.stop()
+
+
 WINDOWED = {"qwen2": "sliding_window", "mistral": "sliding_window", "gemma2": "sliding_window",
             "gemma3": "sliding_window", "gpt-oss": "sliding_window", "llama4": "attention_chunk_size"}
 
