@@ -7,8 +7,9 @@
     connector.after_request(out[0], plan.cache)                # store new full blocks
 
 ``before_prefill`` hashes the prompt's full blocks, loads the longest cached prefix into the
-store's top pool and gathers it into a fresh ``DynamicCache`` (one ``[1, num_kv_heads,
-num_cached_tokens, head_dim]`` K and V tensor per layer), so ``generate`` prefills only the
+store's top pool and gathers it into a fresh ``DynamicCache`` (per layer a K ``[1,
+num_kv_heads, num_cached_tokens, k_head_dim]`` and a V ``[..., v_head_dim]``, the shapes of
+the layer's group), so ``generate`` prefills only the
 suffix. A full hit still leaves work: at most ``(prompt_len - 1) // block_size`` blocks are
 loaded, so prefill always has at least one token to produce logits from (case B1).
 
@@ -108,8 +109,9 @@ class PrefillPlan:
 
     Attributes:
         num_cached_tokens: prompt tokens whose K/V are in ``cache`` (a multiple of block_size).
-        cache: a ``DynamicCache`` holding them, ``[1, num_kv_heads, num_cached_tokens,
-            head_dim]`` per layer; pass it to ``generate``/``forward``.
+        cache: a ``DynamicCache`` holding them, K ``[1, num_kv_heads, num_cached_tokens,
+            k_head_dim]`` and V (``v_head_dim``) per layer, every layer keeping every
+            position; pass it to ``generate``/``forward``.
         block_hashes: hashes of the prompt's full blocks.
         sources: the medium each loaded block came from, ``[num_cached_tokens // block_size]``.
         cache_kwarg: ``"cache"`` or ``"past_key_values"`` (see :func:`cache_kwarg`).
