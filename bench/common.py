@@ -212,8 +212,8 @@ def write_json(path: str | Path, name: str, rows: Sequence[Row]) -> None:
 
 
 def write_plot(path: str | Path, name: str, rows: Sequence[Row]) -> None:
-    """Draw ``rows`` (value beside baseline, per unit) as a PNG (:func:`kvtier.plots.plot_bench`)."""
-    from kvtier.plots import plot_bench
+    """Draw ``rows`` (value beside baseline, per unit) as a PNG (:func:`kvtier.app.plots.plot_bench`)."""
+    from kvtier.app.plots import plot_bench
 
     plot_bench({"bench": name, "rows": [r.to_json() for r in rows]}, path)
 

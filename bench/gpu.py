@@ -160,7 +160,7 @@ class Run:
             gpu_bytes=gpu_blocks * spec.block_nbytes, cpu_bytes=cpu_blocks * spec.block_nbytes, disk_bytes=0,
             block_size=spec.block_size, data_dir=self.work_dir / tag, flush_on_close=False,
         )
-        return TieredStore(spec, config, NAMESPACE, device=self.device)
+        return TieredStore(spec, config, NAMESPACE, device=self.device, emulate_gpu=True)
 
     def gbps_row(self, metric: str, value: Case, baseline: Case, baseline_name: str, nbytes: int) -> Row:
         """Time ``value`` and ``baseline`` interleaved into one GB/s row (best of repeats)."""
@@ -218,8 +218,8 @@ def _junit_counts(path: Path) -> tuple[int, int, int] | None:
 # -- step 2: H2D / D2H -------------------------------------------------------------------------
 def evict_gpu(store: TieredStore) -> None:
     """Evict every block of the GPU pool (each spills to the CPU slab unless already there)."""
-    with store._lock:
-        store._make_room(0, store.top.num_blocks)
+    with store.residency.lock:
+        store.placement.make_room(0, store.top.num_blocks)
 
 
 def start_jobs(start: Callable[[TransferJob], Any], src: Medium, dst: Medium, hashes: list, src_ids: list[int],

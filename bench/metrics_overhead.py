@@ -10,7 +10,7 @@ dashboard samples; Prometheus scrapes every 15 s by default) while the *on* case
 *Off* = a second store, same config, no hook, no scraper. Both measured in the same run:
 
 - demo TTFT: the demo's turns (ShareGPT chats, the model's own replies as history) through
-  :func:`kvtier.demo.run_with` on two connectors over one model, alternating which goes first
+  :func:`kvtier.app.demo.run_with` on two connectors over one model, alternating which goes first
   per turn (both see the same cache state); the rows report the median TTFT of each and the
   median of per-turn on/off ratios. Goal: on/off within 2 %.
 - store loop: ``lookup`` + ``load`` + ``release`` + ``store`` of a 32-block request on a warm
@@ -77,9 +77,9 @@ def instrument(store: TieredStore, interval_s: float) -> Scraper:
 # -- demo TTFT -----------------------------------------------------------------------------------
 def demo_rows(args, root: Path) -> tuple[list[Row], str]:
     from kvtier.connectors.hf import HFConnector, weights_fingerprint
-    from kvtier.demo import run_with, warm_up
-    from kvtier.models import load_model, render_chat
-    from kvtier.sharegpt import select_conversations
+    from kvtier.app.demo import run_with, warm_up
+    from kvtier.app.models import load_model, render_chat
+    from kvtier.app.sharegpt import select_conversations
 
     model, tokenizer, model_id = load_model(args.model)
     conversations, _ = select_conversations(
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--skip-demo", action="store_true", help="only the store loop")
     args = parser.parse_args(argv)
     if args.model is None:
-        from kvtier.models import smollm2_installed
+        from kvtier.app.models import smollm2_installed
 
         args.model = "smollm2" if smollm2_installed() else "tiny-llama"
     threads = apply_threads(args.threads)

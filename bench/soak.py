@@ -14,7 +14,7 @@ Not a CI test (it runs for minutes). What runs:
   share one backend), each thread in a closed loop of ``put`` (a batch of blocks of a random
   request), ``lookup`` and ``get_into`` (every block checked against the bytes of its hash);
 - ``--engines`` engine processes, each a :class:`~kvtier.store.TieredStore` with small local
-  tiers (GPU pool on CPU, CPU, DISK in its own directory) and the daemon as REMOTE, serving
+  tiers (GPU pool emulated on CPU, CPU, DISK in its own directory) and the daemon as REMOTE, serving
   requests in a loop: ``lookup``, ``load`` (checked byte for byte), ``store`` (new blocks are
   put to the daemon in the background).
 
@@ -193,7 +193,7 @@ def engine_proc(url: str, deadline: float, seed: int, prompts: int, work_dir: st
     config = StoreConfig(gpu_bytes=16 * SPEC.block_nbytes, cpu_bytes=32 * SPEC.block_nbytes,
                          disk_bytes=128 * record_footprint(SPEC.block_nbytes), block_size=SPEC.block_size,
                          data_dir=work_dir, remote_url=url, remote_timeout_s=10.0)
-    store = TieredStore(SPEC, config, NS, device="cpu")
+    store = TieredStore(SPEC, config, NS, device="cpu", emulate_gpu=True)
     rnd, requests, counts = random.Random(seed), universe(prompts), Counter()
     while time.time() < deadline:
         request = rnd.choice(requests)

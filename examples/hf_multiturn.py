@@ -16,7 +16,7 @@ import torch
 
 from kvtier import StoreConfig
 from kvtier.connectors.hf import HFConnector
-from kvtier.models import load_model, render_chat
+from kvtier.app.models import load_model, render_chat
 
 QUESTIONS = [
     "Explain in two sentences what a KV cache is in a transformer.",

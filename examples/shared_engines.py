@@ -38,7 +38,7 @@ def run_engine(job: dict) -> dict:
 
     from kvtier import StoreConfig
     from kvtier.connectors.hf import HFConnector
-    from kvtier.models import load_model, render_chat
+    from kvtier.app.models import load_model, render_chat
 
     torch.manual_seed(0)
     model, tokenizer, model_id = load_model(job["model"])

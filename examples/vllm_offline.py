@@ -40,7 +40,7 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
-    from kvtier.connectors.vllm.models import smollm2_dir
+    from kvtier.app.vllm_models import smollm2_dir
 
     extra = {"cpu_bytes": "512MiB", "disk_bytes": "4GiB"}
     if args.data_dir:

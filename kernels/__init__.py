@@ -1,7 +1,27 @@
 """Block copies between a kvtier pool and model caches: Triton on CUDA, plain torch elsewhere.
 
+Two engine layouts, one copy each way:
+
+- *contiguous* (HF transformers' ``DynamicCache``): per layer a K and a V tensor
+  ``[1, num_kv_heads, seq_len, head_dim]``; a request's blocks sit at consecutive tokens from
+  ``start_token``: :func:`gather_blocks_to_contiguous` / :func:`scatter_contiguous_to_blocks`
+  (and :func:`gather_blocks_to_layers`, which allocates the caches first).
+- *paged* (vLLM, transformers' paged cache): per layer a K and a V tensor
+  ``[num_paged_blocks, block_size, num_kv_heads, head_dim]``, any strides; blocks sit in slots
+  named by ``paged_block_ids``: :func:`gather_blocks_to_paged` / :func:`scatter_paged_to_blocks`.
+  Another engine's paged layout is a strided view of its cache in that shape (vLLM's
+  ``[2, num_blocks, block_size, H, D]`` FlashAttention cache is ``cache[0]``, ``cache[1]``;
+  FlashInfer's ``[num_blocks, 2, block_size, H, D]`` is ``cache[:, 0]``, ``cache[:, 1]``; an
+  ``HND`` cache is ``cache[0].transpose(1, 2)``), never a new kernel.
+
+Both reduce to one copy between the pool and per-layer *block views*
+``[num_blocks, block_size, num_kv_heads, head_dim]`` (:func:`.reference.gather`,
+:func:`.reference.scatter` and their Triton twins in :mod:`.triton_kv`); :func:`pack_blocks` /
+:func:`unpack_blocks` copy whole blocks to and from one staging buffer (one large DMA).
+
 The public functions validate their inputs (``ValueError``, "expected ..., got ..."), then run
-either :mod:`.triton_kv` or :mod:`.reference`, chosen per call by :func:`use_triton` on the pool:
+either :mod:`.triton_kv` or :mod:`.reference`, chosen per call by :func:`use_triton` on the pool
+(triton is imported on the first call that needs it, never by ``import kvtier.kernels``):
 
 - ``KVTIER_KERNELS=auto`` (default): Triton for CUDA tensors when triton imports, else torch.
 - ``KVTIER_KERNELS=torch``: always the torch reference.
@@ -93,6 +113,16 @@ def _impl(pool: torch.Tensor) -> ModuleType:
     return _triton_kv if use_triton(pool) else reference  # type: ignore[return-value]
 
 
+def _contiguous_views(
+    caches: Sequence[torch.Tensor], start_token: int, num_blocks: int, block_size: int
+) -> list[torch.Tensor]:
+    """Block views ``[num_blocks, block_size, num_kv_heads, head_dim]`` of HF caches
+    ``[1, num_kv_heads, seq_len, head_dim]`` from ``start_token`` on (views, no copy)."""
+    end = start_token + num_blocks * block_size
+    split = (num_blocks, block_size)
+    return [cache[0, :, start_token:end].unflatten(1, split).permute(1, 2, 0, 3) for cache in caches]
+
+
 def gather_blocks_to_contiguous(
     pool: torch.Tensor,
     block_ids: torch.Tensor,
@@ -120,7 +150,10 @@ def gather_blocks_to_contiguous(
         ValueError: a shape, dtype, device, ``start_token`` or (with ``check_ids``) id is wrong.
     """
     check_contiguous(pool, block_ids, key_caches, value_caches, start_token, to_pool=False, check_values=check_ids)
-    _impl(pool).gather_blocks_to_contiguous(pool, block_ids, key_caches, value_caches, start_token)
+    n, block_size = block_ids.numel(), pool.shape[3]
+    keys = _contiguous_views(key_caches, start_token, n, block_size)
+    values = _contiguous_views(value_caches, start_token, n, block_size)
+    _impl(pool).gather(pool, block_ids, keys, values, None)
 
 
 def gather_blocks_to_layers(
@@ -142,7 +175,10 @@ def gather_blocks_to_layers(
     """
     check_pool(pool)
     validation.check_ids("block_ids", block_ids, pool.device)
-    keys, values = reference._new_layer_caches(pool, block_ids.numel())
+    _, num_layers, _, block_size, num_kv_heads, head_dim = pool.shape
+    shape = (1, num_kv_heads, block_ids.numel() * block_size, head_dim)
+    keys = [pool.new_empty(shape) for _ in range(num_layers)]
+    values = [pool.new_empty(shape) for _ in range(num_layers)]
     gather_blocks_to_contiguous(pool, block_ids, keys, values, check_ids=check_ids)
     return keys, values
 
@@ -174,47 +210,57 @@ def scatter_contiguous_to_blocks(
         ValueError: a shape, dtype, device, ``start_token`` or (with ``check_ids``) id is wrong.
     """
     check_contiguous(pool, block_ids, key_caches, value_caches, start_token, to_pool=True, check_values=check_ids)
-    _impl(pool).scatter_contiguous_to_blocks(key_caches, value_caches, pool, block_ids, start_token)
+    n, block_size = block_ids.numel(), pool.shape[3]
+    keys = _contiguous_views(key_caches, start_token, n, block_size)
+    values = _contiguous_views(value_caches, start_token, n, block_size)
+    _impl(pool).scatter(keys, values, None, pool, block_ids)
 
 
 def gather_blocks_to_paged(
     pool: torch.Tensor,
     block_ids: torch.Tensor,
-    paged_caches: Sequence[torch.Tensor],
+    key_caches: Sequence[torch.Tensor],
+    value_caches: Sequence[torch.Tensor],
     paged_block_ids: torch.Tensor,
     *,
     check_ids: bool = True,
 ) -> None:
-    """Copy ``pool[block_ids[i], l]`` into ``paged_caches[l][:, paged_block_ids[i]]`` for every layer.
+    """Copy ``pool[block_ids[i], l]`` into block ``paged_block_ids[i]`` of ``key_caches[l]`` and
+    ``value_caches[l]`` for every layer ``l``.
 
     Args:
         pool: ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``, any float dtype.
         block_ids: ``[n]`` int64 on the pool's device, pool blocks to read (repeats allowed).
-        paged_caches: ``num_layers`` tensors ``[2, num_paged_blocks, block_size, num_kv_heads,
-            head_dim]`` of the pool's dtype and device, any strides; written.
+        key_caches: ``num_layers`` tensors ``[num_paged_blocks, block_size, num_kv_heads,
+            head_dim]`` of the pool's dtype and device, any strides (a view of the engine's
+            cache, see the module docstring); written.
+        value_caches: like ``key_caches``, for V.
         paged_block_ids: ``[n]`` int64 on the pool's device, distinct paged slots to write.
         check_ids: check ids are in range and destinations distinct (one device sync per id tensor).
 
     Raises:
         ValueError: a shape, dtype, device or (with ``check_ids``) id is wrong.
     """
-    check_paged(pool, block_ids, paged_caches, paged_block_ids, to_pool=False, check_values=check_ids)
-    _impl(pool).gather_blocks_to_paged(pool, block_ids, paged_caches, paged_block_ids)
+    check_paged(pool, block_ids, key_caches, value_caches, paged_block_ids, to_pool=False, check_values=check_ids)
+    _impl(pool).gather(pool, block_ids, key_caches, value_caches, paged_block_ids)
 
 
 def scatter_paged_to_blocks(
-    paged_caches: Sequence[torch.Tensor],
+    key_caches: Sequence[torch.Tensor],
+    value_caches: Sequence[torch.Tensor],
     paged_block_ids: torch.Tensor,
     pool: torch.Tensor,
     block_ids: torch.Tensor,
     *,
     check_ids: bool = True,
 ) -> None:
-    """Copy ``paged_caches[l][:, paged_block_ids[i]]`` into ``pool[block_ids[i], l]`` for every layer.
+    """Copy block ``paged_block_ids[i]`` of ``key_caches[l]`` and ``value_caches[l]`` into
+    ``pool[block_ids[i], l]`` for every layer ``l``.
 
     Args:
-        paged_caches: ``num_layers`` tensors ``[2, num_paged_blocks, block_size, num_kv_heads,
+        key_caches: ``num_layers`` tensors ``[num_paged_blocks, block_size, num_kv_heads,
             head_dim]`` of the pool's dtype and device, any strides.
+        value_caches: like ``key_caches``, for V.
         paged_block_ids: ``[n]`` int64 on the pool's device, paged slots to read (repeats allowed).
         pool: ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``; written.
         block_ids: ``[n]`` int64 on the pool's device, distinct pool blocks to write.
@@ -223,8 +269,8 @@ def scatter_paged_to_blocks(
     Raises:
         ValueError: a shape, dtype, device or (with ``check_ids``) id is wrong.
     """
-    check_paged(pool, block_ids, paged_caches, paged_block_ids, to_pool=True, check_values=check_ids)
-    _impl(pool).scatter_paged_to_blocks(paged_caches, paged_block_ids, pool, block_ids)
+    check_paged(pool, block_ids, key_caches, value_caches, paged_block_ids, to_pool=True, check_values=check_ids)
+    _impl(pool).scatter(key_caches, value_caches, paged_block_ids, pool, block_ids)
 
 
 def pack_blocks(pool: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor, *, check_ids: bool = True) -> None:

@@ -115,13 +115,16 @@ def check_contiguous(
 def check_paged(
     pool: torch.Tensor,
     block_ids: torch.Tensor,
-    paged_caches: Sequence[torch.Tensor],
+    key_caches: Sequence[torch.Tensor],
+    value_caches: Sequence[torch.Tensor],
     paged_block_ids: torch.Tensor,
     *,
     to_pool: bool,
     check_values: bool = True,
 ) -> None:
-    """Inputs of ``gather_blocks_to_paged`` / ``scatter_paged_to_blocks``."""
+    """Inputs of ``gather_blocks_to_paged`` / ``scatter_paged_to_blocks``: every K and V cache
+    ``[num_paged_blocks, block_size, num_kv_heads, head_dim]``, ``num_paged_blocks`` that of
+    ``key_caches[0]``."""
     check_pool(pool)
     num_blocks, num_layers, _, block_size, num_kv_heads, head_dim = pool.shape
     check_ids("block_ids", block_ids, pool.device)
@@ -131,18 +134,20 @@ def check_paged(
         f"paged_block_ids as long as block_ids ({block_ids.numel()})",
         f"length {paged_block_ids.numel()}",
     )
-    _check_layer_count("paged_caches", paged_caches, num_layers)
     num_paged_blocks = -1
-    for layer, cache in enumerate(paged_caches):
-        _check_like_pool(f"paged_caches[{layer}]", cache, pool)
-        if layer == 0 and cache.dim() == 5:
-            num_paged_blocks = cache.shape[1]
-        expect(
-            tuple(cache.shape) == (2, num_paged_blocks, block_size, num_kv_heads, head_dim),
-            f"paged_caches[{layer}] of shape [2, num_paged_blocks, {block_size}, {num_kv_heads}, {head_dim}]"
-            + (f" with num_paged_blocks={num_paged_blocks} as in layer 0" if layer else ""),
-            f"shape {tuple(cache.shape)}",
-        )
+    for name, caches in (("key_caches", key_caches), ("value_caches", value_caches)):
+        _check_layer_count(name, caches, num_layers)
+        for layer, cache in enumerate(caches):
+            _check_like_pool(f"{name}[{layer}]", cache, pool)
+            first = num_paged_blocks < 0
+            if first and cache.dim() == 4:
+                num_paged_blocks = cache.shape[0]
+            expect(
+                tuple(cache.shape) == (num_paged_blocks, block_size, num_kv_heads, head_dim),
+                f"{name}[{layer}] of shape [num_paged_blocks, {block_size}, {num_kv_heads}, {head_dim}]"
+                + ("" if first else f" with num_paged_blocks={num_paged_blocks} as in key_caches[0]"),
+                f"shape {tuple(cache.shape)}",
+            )
     if check_values:
         check_id_values("block_ids", block_ids, num_blocks, distinct=to_pool)
         check_id_values("paged_block_ids", paged_block_ids, num_paged_blocks, distinct=not to_pool)

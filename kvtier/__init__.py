@@ -3,31 +3,44 @@
 Blocks of K/V, keyed by chained content hashes, live in a GPU paged pool; LRU victims spill
 to pinned CPU memory and then to LMDB on disk; hits come back up before prefill, so only the
 new tokens of a prompt are computed. See docs/architecture.md.
+
+The names below are imported on first use (PEP 562 ``__getattr__``): ``import kvtier`` alone
+imports neither torch nor the store, so ``kvtier --help`` (kvtier.app.cli) answers at once.
 """
 
-import os as _os
+from __future__ import annotations
 
-# Triton kernels live in the repository's top-level kernels/ folder and ship as kvtier.kernels
-# (pyproject package-dir). Run from a source tree without installing, make the same import work.
-_src_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "kernels")) and _os.path.isfile(
-    _os.path.join(_src_root, "kernels", "__init__.py")
-):
-    __path__.append(_src_root)  # type: ignore[name-defined]
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from kvtier.config import StoreConfig  # noqa: E402
-from kvtier.hashing import KeyContext, hash_block_tokens  # noqa: E402
-from kvtier.store import LookupResult, TieredStore  # noqa: E402
-from kvtier.types import BlockHash, KVSpec, Medium  # noqa: E402
+if TYPE_CHECKING:
+    from kvtier.config import StoreConfig
+    from kvtier.hashing import KeyContext, hash_block_tokens
+    from kvtier.store import LookupResult, TieredStore
+    from kvtier.types import BlockHash, KVSpec, Medium
 
-__all__ = [
-    "BlockHash",
-    "KVSpec",
-    "KeyContext",
-    "LookupResult",
-    "Medium",
-    "StoreConfig",
-    "TieredStore",
-    "hash_block_tokens",
-]
+_EXPORTS = {
+    "BlockHash": "kvtier.types",
+    "KVSpec": "kvtier.types",
+    "KeyContext": "kvtier.hashing",
+    "LookupResult": "kvtier.store",
+    "Medium": "kvtier.types",
+    "StoreConfig": "kvtier.config",
+    "TieredStore": "kvtier.store",
+    "hash_block_tokens": "kvtier.hashing",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvtier' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,3 +1,3 @@
-from kvtier.cli import main
+from kvtier.app.cli import main
 
 main()

@@ -10,8 +10,10 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, Mapping, get_args
 
-from kvtier.hashing import HASH_NAMES
-
+# Kept free of torch and of kvtier.hashing (numpy, msgpack): `kvtier --help` builds its flags
+# from this module. tests/test_config.py checks HashName against kvtier.hashing.HASH_NAMES.
+HashName = Literal["sha256", "xxh3_128"]
+HASH_NAMES: tuple[str, ...] = get_args(HashName)
 WritePolicy = Literal["write_back", "write_through"]
 ENV_PREFIX = "KVTIER_"
 
@@ -47,14 +49,15 @@ class StoreConfig:
     """Capacities in bytes and the store's policies. A capacity of 0 disables that tier."""
 
     gpu_bytes: int = 1 << 30
-    """GPU paged pool size, bytes. On a machine without CUDA the pool sits in host memory."""
+    """GPU paged pool size, bytes. Without a CUDA device there is no GPU pool: these bytes
+    join the CPU pool, which is then the top pool."""
     cpu_bytes: int = 4 << 30
     """CPU slab size, bytes (pinned when CUDA is available)."""
     disk_bytes: int = 16 << 30
     """LMDB size cap, bytes (headers and page rounding included)."""
     block_size: int = 16
     """Tokens per block."""
-    hash_name: Literal["sha256", "xxh3_128"] = "sha256"
+    hash_name: HashName = "sha256"
     """Block hash function (see kvtier.hashing)."""
     write_policy: WritePolicy = "write_back"
     """``write_back``: a block goes down a tier only when evicted (spill). ``write_through``:

@@ -1,6 +1,6 @@
 """Prometheus metrics of :class:`~kvtier.store.TieredStore`, read from its counters at scrape time.
 
-Source of truth: ``store.stats`` (:class:`~kvtier.results.StoreStats`, event counters, each
+Source of truth: ``store.stats`` (:class:`~kvtier.store.StoreStats`, event counters, each
 event counted once: case M1) and ``store.usage()`` (occupancy). A custom collector copies them
 when Prometheus (or the daemon's ``/metrics``, or ``/v1/stats``) asks, so counting costs the
 inference loop nothing and nothing is counted twice. The only hot-path work is the latency

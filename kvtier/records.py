@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import math
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -50,17 +50,22 @@ def record_nbytes(payload_nbytes: int) -> int:
     return HEADER_NBYTES + payload_nbytes
 
 
-def encode_record(namespace: bytes, block: torch.Tensor, seq: int) -> np.ndarray:
-    """Header + checksum + payload in one new buffer: one copy of the block, hashed chunk by
-    chunk from the buffer while it is hot."""
+def _pack_header(namespace: bytes, block: torch.Tensor, seq: int) -> bytes:
+    """The header's fields before the checksum (``_HEADER.size`` bytes)."""
     assert block.is_contiguous() and block.device.type == "cpu", "block must be contiguous on CPU"
     shape = list(block.shape)
     assert len(shape) <= 8 and len(namespace) == 32
-    payload_nbytes = block.numel() * block.element_size()
-    header = _HEADER.pack(
+    return _HEADER.pack(
         _MAGIC, _VERSION, _DTYPE_CODES[DTYPE_NAMES[block.dtype]], len(shape),
-        *(shape + [0] * (8 - len(shape))), namespace, payload_nbytes, seq,
+        *(shape + [0] * (8 - len(shape))), namespace, block.numel() * block.element_size(), seq,
     )
+
+
+def encode_record(namespace: bytes, block: torch.Tensor, seq: int) -> np.ndarray:
+    """Header + checksum + payload in one new buffer: one copy of the block, hashed chunk by
+    chunk from the buffer while it is hot."""
+    header = _pack_header(namespace, block, seq)
+    payload_nbytes = block.numel() * block.element_size()
     record = np.empty(HEADER_NBYTES + payload_nbytes, dtype=np.uint8)
     record[: _HEADER.size] = np.frombuffer(header, dtype=np.uint8)
     digest = xxhash.xxh3_64(header)
@@ -75,58 +80,27 @@ def encode_record(namespace: bytes, block: torch.Tensor, seq: int) -> np.ndarray
     return record
 
 
-def parse_header(value: memoryview) -> tuple[int, int] | None:
-    """``(payload_nbytes, seq)`` of a record, or ``None`` if its header is not a consistent
-    kvtier header (a corrupt size or sequence must not skew accounting or order)."""
-    if len(value) < HEADER_NBYTES:
-        return None
-    magic, version, dtype_code, ndim, *rest = _HEADER.unpack_from(value)
-    shape, payload_nbytes, seq = rest[:8], rest[9], rest[10]
-    if magic != _MAGIC or version != _VERSION or dtype_code not in _DTYPE_BY_CODE or not 0 < ndim <= 8:
-        return None
-    itemsize = DTYPES_BY_NAME[_DTYPE_BY_CODE[dtype_code]].itemsize
-    if payload_nbytes != len(value) - HEADER_NBYTES or payload_nbytes != math.prod(shape[:ndim]) * itemsize:
-        return None
-    if seq >= 1 << 62:
-        return None
-    return payload_nbytes, seq
+def encode_header(namespace: bytes, block: torch.Tensor, seq: int = 0) -> bytes:
+    """The 96-byte header (checksum included) of ``block``'s record, hashing the block in
+    place: ``encode_header(ns, block, seq) + block bytes == encode_record(ns, block, seq)``,
+    so a sender can write the header and then the block's own memory, with no record copy.
+
+    Args:
+        namespace: 32 bytes.
+        block: contiguous CPU tensor of one block, any shape of up to 8 dims, a dtype of
+            :data:`kvtier.types.DTYPE_NAMES`.
+    """
+    header = _pack_header(namespace, block, seq)
+    digest = xxhash.xxh3_64(header)
+    if block.numel():
+        digest.update(block.view(torch.uint8).numpy().reshape(-1))
+    return header + _CHECKSUM.pack(digest.intdigest())
 
 
-def decode_into(value: memoryview, namespace: bytes, out: torch.Tensor) -> ReadStatus:
-    if len(value) < HEADER_NBYTES:
-        return ReadStatus.CORRUPT
-    magic, version, dtype_code, ndim, *rest = _HEADER.unpack_from(value)
-    shape, ns, payload_nbytes = rest[:8][:ndim], rest[8], rest[9]
-    if (
-        magic != _MAGIC
-        or version != _VERSION
-        or ns != namespace
-        or _DTYPE_BY_CODE.get(dtype_code) != DTYPE_NAMES.get(out.dtype)
-        or tuple(shape) != tuple(out.shape)
-        or payload_nbytes != out.numel() * out.element_size()
-        or len(value) != HEADER_NBYTES + payload_nbytes
-    ):
-        return ReadStatus.CORRUPT
-    # Copy in cache-sized chunks and hash each chunk from the destination while it is hot:
-    # one pass over memory instead of two, and the check covers exactly the bytes delivered.
-    digest = xxhash.xxh3_64(value[: _HEADER.size])
-    (stored,) = _CHECKSUM.unpack_from(value, _HEADER.size)
-    if payload_nbytes:
-        src = np.frombuffer(value, dtype=np.uint8, offset=HEADER_NBYTES)
-        dst = out.view(torch.uint8).numpy().reshape(-1)
-        for start in range(0, payload_nbytes, _CHUNK_NBYTES):
-            chunk = dst[start : start + _CHUNK_NBYTES]
-            np.copyto(chunk, src[start : start + _CHUNK_NBYTES])
-            digest.update(chunk)
-    if digest.intdigest() != stored:
-        return ReadStatus.CORRUPT
-    return ReadStatus.OK
-
-
-# -- streaming (the daemon and its client: a record written or read in pieces) -----------------
-@dataclass(frozen=True, slots=True)
-class RecordHeader:
-    """The fields of a record header that passed :func:`parse_record_header`."""
+# -- reading -----------------------------------------------------------------------------------
+class RecordHeader(NamedTuple):
+    """The fields of a record header that passed :func:`parse_header` (a tuple: made on
+    every read, cheaply)."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -142,36 +116,17 @@ class RecordHeader:
         return xxhash.xxh3_64(header[: _HEADER.size])
 
 
-def encode_header(namespace: bytes, block: torch.Tensor, seq: int = 0) -> bytes:
-    """The 96-byte header (checksum included) of ``block``'s record, hashing the block in
-    place: ``encode_header(ns, block, seq) + block bytes == encode_record(ns, block, seq)``,
-    so a sender can write the header and then the block's own memory, with no record copy.
+def parse_header(header: bytes | memoryview, record_nbytes: int | None = None) -> RecordHeader | None:
+    """The fields of a record's 96-byte header (the record's first bytes), or ``None`` when
+    they are not a consistent kvtier header: magic, version, dtype code, ndim, a payload size
+    that is not ``prod(shape) * itemsize``, a sequence out of range, or (given
+    ``record_nbytes``, the whole record's length) a payload size that does not add up to it.
+    A corrupt size or sequence must not skew accounting or order.
 
-    Args:
-        namespace: 32 bytes.
-        block: contiguous CPU tensor of one block, any shape of up to 8 dims, a dtype of
-            :data:`kvtier.types.DTYPE_NAMES`.
+    The one header parser: DISK's index rebuild and every read (:func:`decode_into`) and the
+    daemon's streams (read before the payload arrives). The caller compares namespace, dtype
+    and shape with what it expects, then verifies the payload with :meth:`RecordHeader.digest`.
     """
-    assert block.is_contiguous() and block.device.type == "cpu", "block must be contiguous on CPU"
-    shape = list(block.shape)
-    assert len(shape) <= 8 and len(namespace) == 32
-    payload_nbytes = block.numel() * block.element_size()
-    header = _HEADER.pack(
-        _MAGIC, _VERSION, _DTYPE_CODES[DTYPE_NAMES[block.dtype]], len(shape),
-        *(shape + [0] * (8 - len(shape))), namespace, payload_nbytes, seq,
-    )
-    digest = xxhash.xxh3_64(header)
-    if payload_nbytes:
-        digest.update(block.view(torch.uint8).numpy().reshape(-1))
-    return header + _CHECKSUM.pack(digest.intdigest())
-
-
-def parse_record_header(header: bytes | memoryview) -> RecordHeader | None:
-    """Fields of a record's 96-byte header, read before its payload arrives; ``None`` when
-    it is not a consistent kvtier header (magic, version, dtype code, ndim, a payload size
-    that is not ``prod(shape) * itemsize``, a sequence out of range). The caller compares
-    namespace, dtype and shape with what it expects, then verifies the payload with
-    :meth:`RecordHeader.digest`."""
     if len(header) < HEADER_NBYTES:
         return None
     magic, version, dtype_code, ndim, *rest = _HEADER.unpack_from(header)
@@ -181,5 +136,33 @@ def parse_record_header(header: bytes | memoryview) -> RecordHeader | None:
     dtype = _DTYPE_BY_CODE[dtype_code]
     if payload_nbytes != math.prod(shape[:ndim]) * DTYPES_BY_NAME[dtype].itemsize or seq >= 1 << 62:
         return None
+    if record_nbytes is not None and record_nbytes != HEADER_NBYTES + payload_nbytes:
+        return None
     (checksum,) = _CHECKSUM.unpack_from(header, _HEADER.size)
     return RecordHeader(dtype, tuple(shape[:ndim]), namespace, payload_nbytes, seq, checksum)
+
+
+def decode_into(value: memoryview, namespace: bytes, out: torch.Tensor) -> ReadStatus:
+    """Verify the whole record ``value`` and copy its payload into ``out`` (a contiguous CPU
+    tensor of the expected shape and dtype): ``OK`` iff header, namespace, dtype, shape, size
+    and checksum all match; ``CORRUPT`` otherwise (``out`` may then hold partial bytes)."""
+    record = parse_header(value, len(value))
+    if (
+        record is None
+        or record.namespace != namespace
+        or record.dtype != DTYPE_NAMES.get(out.dtype)
+        or record.shape != tuple(out.shape)
+        or record.payload_nbytes != out.numel() * out.element_size()
+    ):
+        return ReadStatus.CORRUPT
+    # Copy in cache-sized chunks and hash each chunk from the destination while it is hot:
+    # one pass over memory instead of two, and the check covers exactly the bytes delivered.
+    digest = record.digest(value)
+    if record.payload_nbytes:
+        src = np.frombuffer(value, dtype=np.uint8, offset=HEADER_NBYTES)
+        dst = out.view(torch.uint8).numpy().reshape(-1)
+        for start in range(0, record.payload_nbytes, _CHUNK_NBYTES):
+            chunk = dst[start : start + _CHUNK_NBYTES]
+            np.copyto(chunk, src[start : start + _CHUNK_NBYTES])
+            digest.update(chunk)
+    return ReadStatus.OK if digest.intdigest() == record.checksum else ReadStatus.CORRUPT

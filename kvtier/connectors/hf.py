@@ -243,7 +243,7 @@ class HFConnector:
         ticket.used = True
         with torch.no_grad():
             plan = self._load_into_cache(ticket, block_hashes)
-        self.store.stats.computed_tokens += len(tokens) - plan.num_cached_tokens
+        self.store.record_computed_tokens(len(tokens) - plan.num_cached_tokens)
         return plan
 
     def _load_into_cache(self, ticket: PrefetchTicket, block_hashes: list[BlockHash]) -> PrefillPlan:
@@ -252,7 +252,7 @@ class HFConnector:
         values: list[torch.Tensor] = []
         if handle.num_blocks:
             pool = self.store.top.tensor
-            ids = torch.tensor([b.top_id for b in handle.blocks], dtype=torch.int64, device=pool.device)
+            ids = torch.tensor(handle.block_ids, dtype=torch.int64, device=pool.device)
             for layer in range(self.store.spec.num_layers):
                 handle.wait_layer(layer)  # on CUDA: this layer's copy only, no host sync
                 k, v = gather_into_layers(self.store.spec, pool, ids, layer)

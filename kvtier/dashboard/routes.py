@@ -52,6 +52,8 @@ def setup_observability(
     registry: CollectorRegistry | None = None,
     interval_s: float = 1.0,
     max_samples: int = 300,
+    public_paths: set[str] | None = None,
+    openapi_paths: dict | None = None,
 ) -> Observability:
     """Add ``GET /metrics``, ``GET /v1/stats``, ``GET /dashboard`` and its static files.
 
@@ -63,6 +65,11 @@ def setup_observability(
             (so that two apps in one process never share series).
         interval_s: seconds between samples of the time series.
         max_samples: samples kept (the charts' window is ``interval_s * max_samples``).
+        public_paths: the app's set of paths served without a token, if it has one: the
+            page and its static files join it (they hold no data); ``/metrics`` and
+            ``/v1/stats`` do not.
+        openapi_paths: the app's OpenAPI ``paths`` being collected, if any: these routes
+            join it (:func:`openapi_entries`).
 
     Returns:
         the :class:`Observability` also stored under ``app[OBSERVABILITY]``.
@@ -76,25 +83,17 @@ def setup_observability(
     app.router.add_get("/dashboard", _dashboard)
     app.router.add_get("/dashboard/static/{name:.+}", _static)
     app.cleanup_ctx.append(_sampler)
+    if public_paths is not None:
+        public_paths.update(page_paths())
+    if openapi_paths is not None:
+        openapi_paths.update(openapi_entries())
     return obs
 
 
-def setup_daemon(app: web.Application) -> Observability:
-    """:func:`setup_observability` for ``kvtier serve``'s app (kvtier.server.app.make_app):
-    its namespaces' stores by namespace hex; the routes join its ``/openapi.json``; the page
-    and its static files join the app's public paths (they hold no data), while ``/metrics``
-    and ``/v1/stats`` need the token when the daemon has one (a Prometheus scrape config
-    sends it as ``authorization``; the page takes it from ``/dashboard#token=...``)."""
-    from kvtier.server.app import OPENAPI_PATHS, PUBLIC_PATHS, REGISTRY  # here: app.py imports this module
-
-    registry = app[REGISTRY]
-    obs = setup_observability(
-        app, lambda: {entry.namespace.hex(): entry.store for entry in registry if not entry.closing}
-    )
-    static = {"/dashboard/static/" + p.relative_to(STATIC_DIR).as_posix() for p in STATIC_DIR.rglob("*") if p.is_file()}
-    app[PUBLIC_PATHS].update({"/dashboard", *static})
-    app[OPENAPI_PATHS].update(openapi_paths())
-    return obs
+def page_paths() -> set[str]:
+    """``/dashboard`` and the path of every static file of the page."""
+    return {"/dashboard", *("/dashboard/static/" + p.relative_to(STATIC_DIR).as_posix()
+                            for p in STATIC_DIR.rglob("*") if p.is_file())}
 
 
 def _source(app: web.Application, stores: Any) -> StoresSource:
@@ -133,7 +132,7 @@ async def _static(request: web.Request) -> web.FileResponse:
     return web.FileResponse(path, headers={"Content-Type": f"{content_type}; charset=utf-8"})
 
 
-def openapi_paths() -> dict:
+def openapi_entries() -> dict:
     """OpenAPI 3 ``paths`` entries of these routes (for the daemon's ``/openapi.json``)."""
     def get(summary: str, media: str, security: bool = True) -> dict:
         op = {"summary": summary, "responses": {"200": {"description": summary, "content": {media: {"schema": {

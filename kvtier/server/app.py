@@ -1,6 +1,6 @@
 """The daemon's HTTP API (aiohttp): app factory, typed app keys, middlewares, handlers.
 
-Routes (bodies: ``application/msgpack`` maps; block streams: kvtier.server.wire frames)::
+Routes (bodies: ``application/msgpack`` maps; block streams: kvtier.wire frames)::
 
     GET    /healthz                          liveness, no auth
     GET    /openapi.json                     OpenAPI 3 description, no auth
@@ -22,31 +22,19 @@ handlers find the namespaces under ``request.app[REGISTRY]`` (``for ns in regist
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import json
-import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from kvtier.checks import BatchTooLarge, check_block_hashes, namespace_hex, parse_namespace
+from kvtier.dashboard import setup_observability
 from kvtier.server import frames
+from kvtier.server.errors import Handler, error, errors_middleware
 from kvtier.server.openapi import openapi
 from kvtier.server.registry import Namespace, Registry, RegistryError, UnknownNamespace
 from kvtier.server.settings import ServeConfig
-from kvtier.server.wire import (
-    MSGPACK,
-    BatchTooLarge,
-    check_hashes,
-    namespace_hex,
-    pack,
-    parse_namespace,
-    spec_from_wire,
-    spec_to_wire,
-    unpack_map,
-)
-
-logger = logging.getLogger(__name__)
+from kvtier.wire import MSGPACK, pack, spec_from_wire, spec_to_wire, unpack_map
 
 SETTINGS = web.AppKey("settings", ServeConfig)
 REGISTRY = web.AppKey("registry", Registry)
@@ -56,15 +44,13 @@ OPENAPI_PATHS = web.AppKey("openapi_paths", dict)
 """OpenAPI path items of routes added to the app later (``{"/metrics": {"get": {...}}}``);
 a route with none gets a minimal entry, so ``/openapi.json`` always lists every route."""
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
 
 def make_app(settings: ServeConfig) -> web.Application:
     """The daemon's application. Its namespaces open when the app starts (cleanup context)
     and close, flushing to DISK, when it stops."""
     # Bodies read whole (register, lookup, get requests) are small: hashes only. Puts stream.
     client_max_size = 64 * settings.max_batch_blocks + (64 << 10)
-    app = web.Application(client_max_size=client_max_size, middlewares=[_errors, _auth])
+    app = web.Application(client_max_size=client_max_size, middlewares=[errors_middleware, _auth])
     app[SETTINGS] = settings
     app[REGISTRY] = Registry(settings)
     app[PUBLIC_PATHS] = {"/healthz", "/openapi.json"}
@@ -79,10 +65,20 @@ def make_app(settings: ServeConfig) -> web.Application:
     app.router.add_post(ns + "/lookup", lookup)
     app.router.add_post(ns + "/get", get)
     app.router.add_post(ns + "/put", put)
-    from kvtier.dashboard import setup_daemon  # /metrics, /v1/stats, /dashboard
-
-    setup_daemon(app)
+    _setup_observability(app)
     return app
+
+
+def _setup_observability(app: web.Application) -> None:
+    """``/metrics``, ``/v1/stats`` and ``/dashboard`` (kvtier.dashboard) over the namespaces'
+    stores, by namespace hex. The page and its static files are public (they hold no data);
+    ``/metrics`` and ``/v1/stats`` need the token when the daemon has one (a Prometheus scrape
+    config sends it as ``authorization``; the page takes it from ``/dashboard#token=...``)."""
+    registry = app[REGISTRY]
+    setup_observability(
+        app, lambda: {entry.namespace.hex(): entry.store for entry in registry if not entry.closing},
+        public_paths=app[PUBLIC_PATHS], openapi_paths=app[OPENAPI_PATHS],
+    )
 
 
 async def _registry_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -95,38 +91,6 @@ async def _registry_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 # -- middlewares -------------------------------------------------------------------------------
-class _TooLarge(web.HTTPClientError):
-    """413 with a free-form body (aiohttp's HTTPRequestEntityTooLarge wants the sizes)."""
-
-    status_code = 413
-
-
-def error(cls: type[web.HTTPException], message: str) -> web.HTTPException:
-    """An HTTP error whose body is ``{"error": message}``."""
-    if cls is web.HTTPRequestEntityTooLarge:
-        cls = _TooLarge
-    return cls(text=json.dumps({"error": message}), content_type="application/json")
-
-
-@web.middleware
-async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error as JSON with a message; an unexpected exception is a 500, logged, and the
-    daemon keeps serving."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400 or exc.content_type == "application/json":
-            raise
-        message = exc.text if exc.text and exc.text != f"{exc.status}: {exc.reason}" else exc.reason
-        headers = {k: v for k, v in exc.headers.items() if k.lower() not in ("content-type", "content-length")}
-        return web.json_response({"error": message}, status=exc.status, headers=headers)
-    except (ConnectionResetError, asyncio.CancelledError):
-        raise
-    except Exception as exc:
-        logger.exception("%s %s failed", request.method, request.path)
-        return web.json_response({"error": f"internal error: {type(exc).__name__}: {exc}"}, status=500)
-
-
 @web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     """``Authorization: Bearer <token>``, compared in constant time (before any body is read)."""
@@ -168,9 +132,9 @@ async def _body_map(request: web.Request, what: str) -> dict:
 async def _hashes(request: web.Request, what: str) -> list:
     obj = await _body_map(request, what)
     try:
-        return check_hashes(obj.get("block_hashes"), request.app[SETTINGS].max_batch_blocks)
+        return check_block_hashes(obj.get("block_hashes"), request.app[SETTINGS].max_batch_blocks)
     except BatchTooLarge as exc:
-        raise error(web.HTTPRequestEntityTooLarge, str(exc)) from None
+        raise error(web.HTTPRequestEntityTooLarge, f"{exc} (--max-batch-blocks)") from None
     except ValueError as exc:
         raise error(web.HTTPBadRequest, str(exc)) from None
 

@@ -1,5 +1,5 @@
 """Block streams of the daemon: ``get`` writes frames from the store's pool, ``put`` reads and
-verifies frames into staging buffers and stores them (format: kvtier.server.wire).
+verifies frames into staging buffers and stores them (format: kvtier.wire).
 
 get: the blocks are loaded (``store.load``: pinned in the top pool, DISK blocks read up) a
 chunk at a time on the registry's threads; each block's header is computed there from the
@@ -28,22 +28,16 @@ import numpy as np
 import torch
 from aiohttp import web
 
-from kvtier.records import HEADER_NBYTES, encode_header, parse_record_header
-from kvtier.server.wire import (
-    END,
-    FRAMES,
-    HASH_NBYTES,
-    block_bytes,
-    frame_prefix,
-    max_frames_nbytes,
-)
+from kvtier.checks import BLOCK_HASH_NBYTES
+from kvtier.records import HEADER_NBYTES, encode_header, parse_header
+from kvtier.server.errors import error
 from kvtier.types import DTYPE_NAMES, BlockHash
+from kvtier.wire import END, FRAMES, block_bytes, frame_prefix, max_frames_nbytes
 
 if TYPE_CHECKING:
-    from kvtier.results import LoadResult
     from kvtier.server.registry import Namespace, Registry
     from kvtier.server.settings import ServeConfig
-    from kvtier.store import TieredStore
+    from kvtier.store import LoadResult, TieredStore
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +50,6 @@ async def send_blocks(
     request: web.Request, registry: "Registry", entry: "Namespace", block_hashes: Sequence[BlockHash]
 ) -> web.StreamResponse:
     """Stream the leading present blocks of ``block_hashes``, then the end byte."""
-    from kvtier.server.app import error
-
     top = entry.store.top
     chunk = max(1, min(top.num_blocks // 4, _LOAD_CHUNK_BYTES // entry.spec.block_nbytes))
     parts = [block_hashes[i : i + chunk] for i in range(0, len(block_hashes), chunk)]
@@ -122,8 +114,6 @@ async def _sent(transport: asyncio.Transport | None) -> None:
 # -- put ---------------------------------------------------------------------------------------
 async def receive_blocks(request: web.Request, registry: "Registry", entry: "Namespace", settings: "ServeConfig") -> list[bool]:
     """Read, verify and store the frames of a put body; one bool per frame."""
-    from kvtier.server.app import error
-
     limit = max_frames_nbytes(settings.max_batch_blocks, settings.max_block_bytes)
     if request.content_length is not None and request.content_length > limit:
         raise error(web.HTTPRequestEntityTooLarge, f"expected a put body of at most {limit} bytes "
@@ -138,14 +128,14 @@ async def receive_blocks(request: web.Request, registry: "Registry", entry: "Nam
             hash_len = (await _exactly(content, 1, i))[0]
             if hash_len == 0:
                 break
-            if hash_len not in HASH_NBYTES:
+            if hash_len not in BLOCK_HASH_NBYTES:
                 raise error(web.HTTPBadRequest, f"frame {i}: expected a hash length of 16 or 32 bytes, got {hash_len}")
             if i >= settings.max_batch_blocks:
                 raise error(web.HTTPRequestEntityTooLarge, f"expected at most {settings.max_batch_blocks} frames per put "
                             "(--max-batch-blocks), got more")
             block_hash = BlockHash(await _exactly(content, hash_len, i))
             header = await _exactly(content, HEADER_NBYTES, i)
-            record = parse_record_header(header)
+            record = parse_header(header)
             if record is None:
                 raise error(web.HTTPBadRequest, f"frame {i}: expected a kvtier record header, got inconsistent bytes")
             if record.payload_nbytes > settings.max_block_bytes:
@@ -179,8 +169,6 @@ async def receive_blocks(request: web.Request, registry: "Registry", entry: "Nam
 
 
 async def _exactly(content, n: int, frame: int) -> bytes:
-    from kvtier.server.app import error
-
     try:
         return await content.readexactly(n)
     except asyncio.IncompleteReadError:
@@ -189,8 +177,6 @@ async def _exactly(content, n: int, frame: int) -> bytes:
 
 async def _payload(content, dst: np.ndarray, digest, frame: int) -> None:
     """Copy the next ``dst.nbytes`` body bytes into ``dst`` and hash them, piece by piece."""
-    from kvtier.server.app import error
-
     offset, nbytes = 0, dst.nbytes
     while offset < nbytes:
         piece = await content.read(min(nbytes - offset, 1 << 20))

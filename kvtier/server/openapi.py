@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvtier import __version__
-from kvtier.server.wire import FRAMES, MSGPACK
+from kvtier.wire import FRAMES, MSGPACK
 from kvtier.types import DTYPES_BY_NAME
 
 if TYPE_CHECKING:

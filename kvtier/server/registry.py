@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-import msgpack
 import torch
 
+from kvtier.checks import check_namespace, namespace_hex, parse_namespace
 from kvtier.server.settings import ServeConfig
-from kvtier.server.wire import describe, same_spec, spec_from_wire, spec_to_wire
 from kvtier.store import TieredStore
 from kvtier.types import KVSpec
+from kvtier.wire import describe, pack_spec, unpack_spec
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class Registry:
             spec = _read_spec(path)
             if spec is None:
                 continue
-            namespace = bytes.fromhex(path.name)
+            namespace = parse_namespace(path.name)
             if len(self.namespaces) >= self.settings.max_namespaces:
                 logger.warning("not reopening namespace %s: --max-namespaces %d reached", path.name,
                                self.settings.max_namespaces)
@@ -168,10 +168,11 @@ class Registry:
             RegistryError: 409 (known with another spec), 507 (``max_namespaces`` reached),
                 413 (block over ``max_block_bytes``), 400 (capacities below one block).
         """
+        check_namespace(namespace)
         async with self._changes:
             entry = self.get(namespace)
             if entry is not None:
-                if not same_spec(entry.spec, spec):
+                if entry.spec != spec:
                     raise RegistryError(409, f"namespace registered with another spec: expected {describe(entry.spec)}, "
                                              f"got {describe(spec)}")
                 return entry, False
@@ -181,7 +182,7 @@ class Registry:
             if len(self.namespaces) >= self.settings.max_namespaces:
                 raise RegistryError(507, f"expected at most {self.settings.max_namespaces} namespaces "
                                          "(--max-namespaces); delete one first")
-            path = self.data_dir / namespace.hex()
+            path = self.data_dir / namespace_hex(namespace)  # 64 hex digits: never data_dir itself
             try:
                 store = await self.run(self._create_store, namespace, spec, path)
             except ValueError as exc:
@@ -234,15 +235,19 @@ class Registry:
 
 
 def _read_spec(path: Path) -> KVSpec | None:
-    """The spec saved in a namespace directory; ``None`` when ``path`` is not one."""
-    if not path.is_dir() or len(path.name) != 64:
+    """The spec saved in a namespace directory; ``None`` when ``path`` is not one (its name
+    is not a namespace's 64 lowercase hex digits, or it has no spec file)."""
+    try:
+        parse_namespace(path.name)
+    except ValueError:
+        return None
+    if not path.is_dir():
         return None
     try:
-        bytes.fromhex(path.name)
-        return spec_from_wire(msgpack.unpackb((path / SPEC_FILE).read_bytes(), raw=False))
+        return unpack_spec((path / SPEC_FILE).read_bytes())
     except FileNotFoundError:
         return None
-    except (ValueError, TypeError, OSError, msgpack.UnpackException) as exc:
+    except (ValueError, OSError) as exc:
         logger.warning("ignoring %s: unreadable %s (%s)", path, SPEC_FILE, exc)
         return None
 
@@ -251,7 +256,7 @@ def _write_spec(path: Path, spec: KVSpec) -> None:
     """Atomically (write, fsync, rename): a crash leaves the old file or the new one."""
     tmp = path / (SPEC_FILE + ".tmp")
     with open(tmp, "wb") as f:
-        f.write(msgpack.packb(spec_to_wire(spec), use_bin_type=True))
+        f.write(pack_spec(spec))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path / SPEC_FILE)

@@ -1,4 +1,4 @@
-"""Running the daemon: ``kvtier serve`` (kvtier.cli) calls :func:`serve`."""
+"""Running the daemon: ``kvtier serve`` (kvtier.app.cli) calls :func:`serve`."""
 
 from __future__ import annotations
 

@@ -361,7 +361,7 @@ def abandon(store) -> None:
     tests/reliability/test_crash.py does with real SIGKILLs. The abandoned object must not be
     used again (it raises ``RuntimeError("store is closed")``).
     """
-    with store._lock:
+    with store.residency.lock:
         store._closed = True
         store._executor.shutdown(wait=True)
         disk = store.disk

@@ -16,6 +16,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from kvtier.checks import check_block_hashes, check_namespace
 from kvtier.records import HEADER_NBYTES, ReadStatus, decode_into, encode_record
 from kvtier.testing.faults import FaultPlan, Hit, flip_bit, truncate
 from kvtier.types import BlockHash, KVSpec
@@ -51,15 +52,15 @@ class MemoryRemote:
 
     # -- the contract ------------------------------------------------------------------------
     def register(self, namespace: bytes, spec: KVSpec) -> None:
-        _check_namespace(namespace)
+        check_namespace(namespace)
         with self._lock:
             known = self.specs.setdefault(namespace, spec)
         if known != spec:
             raise ValueError(f"expected namespace {namespace.hex()[:16]} with {known}, got {spec}")
 
     def lookup(self, namespace: bytes, block_hashes: Sequence[BlockHash]) -> int:
-        _check_namespace(namespace)
-        _check_hashes(block_hashes)
+        check_namespace(namespace)
+        check_block_hashes(block_hashes)
         self.calls["lookup"] += 1
         hit = self.plan.pick("lookup")
         if hit is not None and self._fault_ends_call(hit, None) is not None:
@@ -75,8 +76,8 @@ class MemoryRemote:
     def get_into(
         self, namespace: bytes, block_hashes: Sequence[BlockHash], outs: Sequence[torch.Tensor]
     ) -> list[ReadStatus]:
-        _check_namespace(namespace)
-        _check_hashes(block_hashes)
+        check_namespace(namespace)
+        check_block_hashes(block_hashes)
         if len(outs) != len(block_hashes):
             raise ValueError(f"expected one out tensor per block hash, got {len(outs)} for {len(block_hashes)}")
         self.calls["get"] += 1
@@ -91,8 +92,8 @@ class MemoryRemote:
         return statuses
 
     def put(self, namespace: bytes, block_hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor]) -> list[bool]:
-        _check_namespace(namespace)
-        _check_hashes(block_hashes)
+        check_namespace(namespace)
+        check_block_hashes(block_hashes)
         if len(blocks) != len(block_hashes):
             raise ValueError(f"expected one block per block hash, got {len(blocks)} for {len(block_hashes)}")
         self.calls["put"] += 1
@@ -175,17 +176,6 @@ class MemoryRemote:
                 self.records.popitem(last=False)
             self.records[key] = value
         return True, True
-
-
-def _check_namespace(namespace: bytes) -> None:
-    if not isinstance(namespace, bytes) or len(namespace) != 32:
-        raise ValueError(f"expected a 32-byte namespace, got {type(namespace).__name__}")
-
-
-def _check_hashes(block_hashes: Sequence[BlockHash]) -> None:
-    for h in block_hashes:
-        if not isinstance(h, bytes) or not 0 < len(h) <= 511:
-            raise ValueError(f"expected block hashes as bytes of 1..511 bytes, got {type(h).__name__}")
 
 
 _BYTE_LEVEL = {"corrupt", "truncate"}

@@ -240,12 +240,11 @@ class DiskTier:
         bad: list[bytes] = []
         with self.env.begin(buffers=True) as txn:
             for key, value in txn.cursor():
-                parsed = parse_header(value)
-                if parsed is None:
+                header = parse_header(value, len(value))
+                if header is None:
                     bad.append(bytes(key))
                     continue
-                payload_nbytes, seq = parsed
-                entries.append((seq, BlockHash(bytes(key)), self.footprint(payload_nbytes)))
+                entries.append((header.seq, BlockHash(bytes(key)), self.footprint(header.payload_nbytes)))
         entries.sort()
         for seq, h, size in entries:
             self._lru.add(h, size)
@@ -261,7 +260,7 @@ class DiskTier:
     def check(self) -> None:
         """Invariant check for tests: index and database agree, cap respected."""
         with self.env.begin(buffers=True) as txn:
-            on_disk = {bytes(k): self.footprint(parse_header(v)[0]) for k, v in txn.cursor()}
+            on_disk = {bytes(k): self.footprint(parse_header(v, len(v)).payload_nbytes) for k, v in txn.cursor()}
         assert on_disk == dict(self._lru.items()), "DISK index and database disagree"
         assert self._used == sum(on_disk.values()), "DISK usage accounting is off"
         assert self._used <= self.capacity_bytes, "DISK capacity exceeded"

@@ -71,6 +71,11 @@ class BlockPool:
         return self._lru.get(block_hash)
 
     @property
+    def device(self) -> torch.device:
+        """Where the pool lives (``cuda:0``, ``cpu``): its medium is named after it."""
+        return self.tensor.device
+
+    @property
     def capacity_bytes(self) -> int:
         return self.num_blocks * self.spec.block_nbytes
 

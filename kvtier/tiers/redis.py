@@ -4,7 +4,7 @@ Implements :class:`kvtier.tiers.backend.RemoteBackend`. One Redis string per blo
 
     key   = b"kvtier:" + namespace.hex() + b":" + block_hash.hex()
     value = block record (kvtier.records: 96-byte header + xxh3 checksum + raw block bytes)
-    spec  = b"kvtier:" + namespace.hex() + b":spec" -> msgpack of the namespace's KVSpec
+    spec  = b"kvtier:" + namespace.hex() + b":spec" -> the namespace's KVSpec (kvtier.wire.pack_spec)
 
 Hex keys keep ``redis-cli --scan --pattern 'kvtier:<namespace hex>:*'`` usable to inspect
 or clear one namespace. Every read is verified (:func:`kvtier.records.decode_into`); a value
@@ -43,10 +43,11 @@ Failures (the backend contract): nothing here raises for a remote-side problem. 
 connection, a timeout (``timeout_s`` per socket operation), a cluster that is down or a
 protocol error is a miss counted in ``errors`` by reason (``unavailable``, ``timeout``,
 ``corrupt``, ``oom``, ``protocol``, ``conflict``); after one, calls return misses at once
-(counted as ``skipped``) for a backoff of 50 ms doubling up to 1 s, then the next call
-reconnects. redis-py retries a failed connection once (a pooled socket that went stale
-across a server restart) and never retries a timeout, so one call to a single node waits at
-most about ``2 * timeout_s``. On a cluster, a call whose keys include a node that is down
+(counted as ``skipped``) for a pause of ``backoff_s`` doubling up to ``max_backoff_s``
+(kvtier.tiers.backoff, the same policy as the daemon's client), then the next call
+reconnects. redis-py retries a failed connection once (a pooled socket that went stale across
+a server restart) and never retries a timeout, so one call to a single node waits at most
+about ``2 * timeout_s``. On a cluster, a call whose keys include a node that is down
 is a miss as a whole (redis-py fails the pipeline), until the node is back or failed over.
 """
 
@@ -54,12 +55,10 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import Counter
 from typing import Any, Sequence
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-import msgpack
 import torch
 
 try:
@@ -77,15 +76,15 @@ try:
 except ImportError:  # only RedisTier needs it
     redis = None  # type: ignore[assignment]
 
+from kvtier.checks import check_block_hashes, check_namespace
 from kvtier.records import ReadStatus, decode_into, encode_header, encode_record, record_nbytes
-from kvtier.types import BlockHash, KVSpec, dtype_name
+from kvtier.tiers.backoff import MAX_S, MIN_S, Backoff
+from kvtier.types import BlockHash, KVSpec
+from kvtier.wire import describe, pack_spec, unpack_spec
 
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = b"kvtier:"
-_BACKOFF_MIN_S = 0.05
-_BACKOFF_MAX_S = 1.0
-_NAMESPACE_NBYTES = 32
 
 
 class RedisTier:
@@ -101,9 +100,12 @@ class RedisTier:
             (Redis's eviction policy decides).
         max_batch_bytes: most record bytes in one ``GET``/``SET`` pipeline (bounds the memory
             a batch holds; a larger batch is sent in several pipelines).
+        backoff_s, max_backoff_s: how long Redis counts as down after a failed call
+            (doubling per consecutive failure), seconds (:class:`~kvtier.tiers.backoff.Backoff`).
 
     Raises:
-        ValueError: a bad URL, scheme, ``ttl_s``, ``timeout_s`` or ``max_batch_bytes``.
+        ValueError: a bad URL, scheme, ``ttl_s``, ``timeout_s``, ``max_batch_bytes`` or
+            backoff limits.
         ImportError: redis-py is not installed.
     """
 
@@ -113,6 +115,9 @@ class RedisTier:
         timeout_s: float = 2.0,
         ttl_s: float | None = None,
         max_batch_bytes: int = 64 << 20,
+        *,
+        backoff_s: float = MIN_S,
+        max_backoff_s: float = MAX_S,
     ) -> None:
         if redis is None:
             raise ImportError("RedisTier needs redis-py: pip install redis")
@@ -124,6 +129,7 @@ class RedisTier:
             raise ValueError(f"expected timeout_s > 0 seconds, got {timeout_s!r}")
         if not isinstance(max_batch_bytes, int) or max_batch_bytes <= 0:
             raise ValueError(f"expected max_batch_bytes > 0, got {max_batch_bytes!r}")
+        self.backoff = Backoff(backoff_s, max_backoff_s)
         self.url = _redact(url)
         self.cluster = cluster
         self.timeout_s = float(timeout_s)
@@ -135,9 +141,7 @@ class RedisTier:
         self._specs: dict[bytes, KVSpec] = {}
         self._unregistered: set[bytes] = set()  # known locally, not yet on the server
         self._conflicts: set[bytes] = set()  # the server holds another spec: never used
-        self._lock = threading.Lock()  # guards the fields above and the backoff state
-        self._down_until = 0.0
-        self._backoff_s = _BACKOFF_MIN_S
+        self._lock = threading.Lock()  # guards the fields above
         self._closed = False
 
     def __repr__(self) -> str:
@@ -152,13 +156,14 @@ class RedisTier:
                 ``namespace`` (here or, through the server, in another process).
             TypeError: ``spec`` is not a :class:`KVSpec`.
         """
-        _check_namespace(namespace)
+        check_namespace(namespace)
         if not isinstance(spec, KVSpec):
             raise TypeError(f"expected a KVSpec, got {type(spec).__name__}")
         with self._lock:
             known = self._specs.get(namespace)
             if known is not None and known != spec:
-                raise ValueError(f"namespace {namespace.hex()[:16]} is registered with {known}, got {spec}")
+                raise ValueError(f"namespace {namespace.hex()[:16]} is registered with {describe(known)}, "
+                                 f"got {describe(spec)}")
             if namespace in self._conflicts:
                 raise ValueError(f"namespace {namespace.hex()[:16]} is registered on {self.url} with another spec")
             self._specs[namespace] = spec
@@ -173,7 +178,8 @@ class RedisTier:
                         self._specs.pop(namespace, None)  # as if never called
                     else:
                         self._conflicts.add(namespace)  # in use: later calls are misses
-                raise ValueError(f"namespace {namespace.hex()[:16]} is registered on {self.url} with {theirs}, got {spec}")
+                raise ValueError(f"namespace {namespace.hex()[:16]} is registered on {self.url} with {theirs}, "
+                                 f"got {describe(spec)}")
 
     def lookup(self, namespace: bytes, block_hashes: Sequence[BlockHash]) -> int:
         """Number of leading ``block_hashes`` present (0 when Redis is unreachable).
@@ -182,7 +188,7 @@ class RedisTier:
             ValueError: unregistered namespace or a bad block hash.
         """
         self._spec_of(namespace)
-        _check_hashes(block_hashes)
+        check_block_hashes(block_hashes)
         if not block_hashes or not self._usable(namespace):
             return 0
         keys = [self._key(namespace, h) for h in block_hashes]
@@ -216,7 +222,7 @@ class RedisTier:
             ValueError: unregistered namespace, bad hash, wrong number/shape/dtype of ``outs``.
         """
         spec = self._spec_of(namespace)
-        _check_hashes(block_hashes)
+        check_block_hashes(block_hashes)
         _check_tensors(outs, len(block_hashes), spec, "outs")
         statuses = [ReadStatus.MISSING] * len(block_hashes)
         if not block_hashes:
@@ -251,7 +257,7 @@ class RedisTier:
             ValueError: unregistered namespace, bad hash, wrong number/shape/dtype of ``blocks``.
         """
         spec = self._spec_of(namespace)
-        _check_hashes(block_hashes)
+        check_block_hashes(block_hashes)
         _check_tensors(blocks, len(block_hashes), spec, "blocks")
         results = [False] * len(block_hashes)
         if not block_hashes or not self._usable(namespace):
@@ -288,7 +294,7 @@ class RedisTier:
     def _spec_of(self, namespace: bytes) -> KVSpec:
         spec = self._specs.get(namespace)
         if spec is None:
-            _check_namespace(namespace)
+            check_namespace(namespace)
             raise ValueError(f"namespace {namespace.hex()[:16]} is not registered: call register(namespace, spec) first")
         return spec
 
@@ -297,7 +303,7 @@ class RedisTier:
         if self._closed or namespace in self._conflicts:
             self.errors["conflict" if namespace in self._conflicts else "closed"] += 1
             return False
-        if time.monotonic() < self._down_until:
+        if self.backoff.paused():
             self.errors["skipped"] += 1
             return False
         if namespace in self._unregistered:
@@ -308,7 +314,7 @@ class RedisTier:
                     self._unregistered.discard(namespace)
                 logger.error(
                     "RedisTier: namespace %s is registered on %s with %s, not %s; it stays a miss",
-                    namespace.hex()[:16], self.url, theirs, self._specs[namespace],
+                    namespace.hex()[:16], self.url, theirs, describe(self._specs[namespace]),
                 )
                 self.errors["conflict"] += 1
             return bool(registered)
@@ -316,9 +322,9 @@ class RedisTier:
 
     def _register_on_server(self, namespace: bytes) -> tuple[bool | None, object]:
         """``SET NX`` the spec key. ``(True, _)``: registered, or the same spec was there;
-        ``(False, their spec)``: the server holds another spec; ``(None, _)``: the server
+        ``(False, a description of theirs)``: the server holds another spec; ``(None, _)``: the server
         could not be asked (retried on the next call)."""
-        ours = _spec_record(self._specs[namespace])
+        ours = pack_spec(self._specs[namespace])
         key = self._spec_key(namespace)
         replies = self._pipeline([("SET", key, ours, {"nx": True}), ("GET", key)])
         if isinstance(replies, BaseException):
@@ -330,11 +336,11 @@ class RedisTier:
         stored = replies[1]
         if stored != ours:
             try:
-                theirs = msgpack.unpackb(stored)
-            except Exception:
-                theirs = f"an unreadable value of {len(stored or b'')} bytes"
-            if theirs != msgpack.unpackb(ours):
-                return False, theirs
+                theirs = unpack_spec(stored)
+            except (ValueError, TypeError):
+                return False, f"an unreadable spec of {len(stored or b'')} bytes"
+            if theirs != self._specs[namespace]:
+                return False, describe(theirs)
         with self._lock:
             self._unregistered.discard(namespace)
         return True, None
@@ -418,15 +424,12 @@ class RedisTier:
             # The server may come back empty (restart without persistence, failover): check
             # the namespaces' specs again before the next use.
             self._unregistered.update(ns for ns in self._specs if ns not in self._conflicts)
-            self._down_until = time.monotonic() + self._backoff_s
-            logger.warning("RedisTier: %s unreachable (%s: %s); misses for %.2f s",
-                           self.url, type(exc).__name__, message, self._backoff_s)
-            self._backoff_s = min(2 * self._backoff_s, _BACKOFF_MAX_S)
+        pause_s = self.backoff.failed()
+        logger.warning("RedisTier: %s unreachable (%s: %s); misses for %.2f s",
+                       self.url, type(exc).__name__, message, pause_s)
 
     def _succeeded(self) -> None:
-        if self._backoff_s != _BACKOFF_MIN_S:
-            with self._lock:
-                self._backoff_s = _BACKOFF_MIN_S
+        self.backoff.succeeded()
 
 
 # -- zero-copy record values ----------------------------------------------------------------
@@ -542,16 +545,6 @@ def _redact(url: str) -> str:
     return urlunsplit((parts.scheme, f"{user}:***@{netloc}", parts.path, parts.query, ""))
 
 
-def _spec_record(spec: KVSpec) -> bytes:
-    return msgpack.packb(
-        {
-            "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
-            "block_size": spec.block_size, "dtype": dtype_name(spec.dtype), "kv_layout": spec.layout_name,
-        },
-        use_bin_type=True,
-    )
-
-
 def _command_error(exc: BaseException) -> bool:
     """An error reply to one command (``OOM``, a wrong type): the server is up. MOVED/ASK/
     CLUSTERDOWN/TRYAGAIN also come as ResponseError subclasses, but mean a cluster that is
@@ -561,20 +554,6 @@ def _command_error(exc: BaseException) -> bool:
 
 def _status_of(exc: BaseException | None) -> ReadStatus:
     return ReadStatus.TIMEOUT if isinstance(exc, RedisTimeoutError) else ReadStatus.UNAVAILABLE
-
-
-def _check_namespace(namespace: bytes) -> None:
-    if not isinstance(namespace, bytes) or len(namespace) != _NAMESPACE_NBYTES:
-        got = f"{type(namespace).__name__} of length {len(namespace)}" if hasattr(namespace, "__len__") else type(namespace).__name__
-        raise ValueError(f"expected a namespace of {_NAMESPACE_NBYTES} bytes, got {got}")
-
-
-def _check_hashes(block_hashes: Sequence[BlockHash]) -> None:
-    """Same rule as the store: ``bytes`` of 1..511 bytes."""
-    for h in block_hashes:
-        if not isinstance(h, bytes) or not 0 < len(h) <= 511:
-            got = f"{type(h).__name__} of length {len(h)}" if hasattr(h, "__len__") else type(h).__name__
-            raise ValueError(f"expected block hashes as bytes of 1..511 bytes, got {got}")
 
 
 def _check_tensors(tensors: Sequence[torch.Tensor], n: int, spec: KVSpec, name: str) -> None:

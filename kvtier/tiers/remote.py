@@ -1,7 +1,7 @@
 """REMOTE tier over HTTP: the client of a ``kvtier serve`` daemon (kvtier.server).
 
 Implements :class:`kvtier.tiers.backend.RemoteBackend`: blocking, thread-safe calls for the
-store's I/O threads, one connection pool (urllib3) per daemon. Wire format: kvtier.server.wire.
+store's I/O threads, one connection pool (urllib3) per daemon. Wire format: kvtier.wire.
 
 Failures are misses, never exceptions or hangs (the backend contract):
 
@@ -10,10 +10,10 @@ Failures are misses, never exceptions or hangs (the backend contract):
 - fast failures (connection refused or reset, a pooled connection the daemon closed when it
   restarted) are retried with backoff (all calls are idempotent: blocks are named by their
   content hash); timeouts are not retried (a slow daemon would double the wait);
-- after a failed call the daemon is treated as down for a backoff period (``backoff_s``,
-  doubling up to ``max_backoff_s``): calls in that period return a miss at once, counted
-  as ``skipped``, so an inference loop never waits on a dead daemon more than once per
-  period; the first call after it tries again (reconnects);
+- after a failed call the daemon is treated as down for a pause (kvtier.tiers.backoff:
+  ``backoff_s``, doubling up to ``max_backoff_s``): calls in that pause return a miss at
+  once, counted as ``skipped``, so an inference loop never waits on a dead daemon more than
+  once per pause; the first call after it tries again (reconnects);
 - ``errors`` counts by reason: ``unavailable``, ``timeout``, ``skipped``, ``corrupt``,
   ``protocol``, ``unauthorized``, ``rejected`` (a 4xx other than 401/404/409; a namespace
   whose spec the daemon refuses is not asked for again until ``register`` is called),
@@ -43,20 +43,11 @@ from urllib3.exceptions import HTTPError, MaxRetryError, NewConnectionError
 from urllib3.exceptions import TimeoutError as Urllib3Timeout
 from urllib3.util.retry import Retry
 
-from kvtier.records import HEADER_NBYTES, ReadStatus, encode_header, parse_record_header
-from kvtier.server.wire import (
-    END,
-    FRAMES,
-    HASH_NBYTES,
-    MSGPACK,
-    block_bytes,
-    frame_prefix,
-    namespace_hex,
-    pack,
-    spec_to_wire,
-    unpack_map,
-)
+from kvtier.checks import BLOCK_HASH_NBYTES, check_block_hashes, check_namespace, namespace_hex
+from kvtier.records import HEADER_NBYTES, ReadStatus, encode_header, parse_header
+from kvtier.tiers.backoff import MAX_S, MIN_S, Backoff
 from kvtier.types import DTYPE_NAMES, BlockHash, KVSpec
+from kvtier.wire import END, FRAMES, MSGPACK, block_bytes, frame_prefix, pack, spec_to_wire, unpack_map
 
 logger = logging.getLogger(__name__)
 
@@ -104,19 +95,21 @@ class RemoteTier:
         max_connections: pooled keep-alive connections kept (more are opened when needed).
         retries: retries of a fast failure per call.
         backoff_s, max_backoff_s: how long the daemon counts as down after a failed call
-            (doubling per consecutive failure), seconds.
+            (doubling per consecutive failure), seconds (:class:`~kvtier.tiers.backoff.Backoff`).
 
     Raises:
-        ValueError: a URL that is not ``http(s)://host[:port]``.
+        ValueError: a URL that is not ``http(s)://host[:port]``, backoff limits that are
+            not ``0 < backoff_s <= max_backoff_s``.
     """
 
     def __init__(
         self, url: str, token: str | None = None, timeout_s: float = 2.0, *, max_connections: int = 16,
-        retries: int = 2, backoff_s: float = 0.05, max_backoff_s: float = 2.0,
+        retries: int = 2, backoff_s: float = MIN_S, max_backoff_s: float = MAX_S,
     ) -> None:
         parsed = urllib3.util.parse_url(url)
         if parsed.scheme not in ("http", "https") or not parsed.host:
             raise ValueError(f"expected a daemon URL like http://127.0.0.1:8765, got {url!r}")
+        self.backoff = Backoff(backoff_s, max_backoff_s)
         self.url = url.rstrip("/")
         self.timeout_s = float(timeout_s)
         self.errors: Counter = Counter()
@@ -128,22 +121,19 @@ class RemoteTier:
             retries=_Retry(total=retries, connect=retries, read=retries, redirect=0, status=0, other=0,
                            backoff_factor=backoff_s / 2, allowed_methods=None, raise_on_status=False),
         )
-        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self._lock = threading.Lock()
         self._specs: dict[bytes, KVSpec] = {}
         self._registered: set[bytes] = set()
         self._refused: set[bytes] = set()  # namespaces whose spec the daemon refused (400/413)
         self._logged: set[int] = set()  # HTTP statuses already logged as warnings
         self._max_batch = _DEFAULT_MAX_BATCH
-        self._backoff = 0.0
-        self._down_until = 0.0
         self._closed = False
 
     # -- the RemoteBackend protocol -------------------------------------------------------------
     def register(self, namespace: bytes, spec: KVSpec) -> None:
         """Declare ``namespace``'s block shape and dtype. Raises ``ValueError`` when the daemon
         knows it with another spec; a daemon that cannot be reached is retried lazily."""
-        _check_namespace(namespace)
+        check_namespace(namespace)
         if not isinstance(spec, KVSpec):
             raise TypeError(f"expected a KVSpec, got {type(spec).__name__}")
         with self._lock:
@@ -162,8 +152,8 @@ class RemoteTier:
 
     def lookup(self, namespace: bytes, block_hashes: Sequence[BlockHash]) -> int:
         """Leading ``block_hashes`` the daemon holds (0 when it cannot be reached)."""
-        _check_namespace(namespace)
-        hashes = _check_hashes(block_hashes)
+        check_namespace(namespace)
+        hashes = check_block_hashes(block_hashes)
         num_hit = 0
         try:
             for start in range(0, len(hashes), self._max_batch):
@@ -186,8 +176,8 @@ class RemoteTier:
         num_kv_heads, head_dim]`` of the spec's dtype), straight from the socket. ``OK`` iff
         ``outs[i]`` holds the block's exact bytes; blocks after the first non-OK one are
         ``MISSING``. Raises ``ValueError`` for mismatched lengths or unusable tensors."""
-        _check_namespace(namespace)
-        hashes = _check_hashes(block_hashes)
+        check_namespace(namespace)
+        hashes = check_block_hashes(block_hashes)
         if len(outs) != len(hashes):
             raise ValueError(f"expected one out tensor per block hash ({len(hashes)}), got {len(outs)}")
         self._check_blocks(namespace, outs)
@@ -203,8 +193,8 @@ class RemoteTier:
         """Send blocks (contiguous CPU tensors); ``True`` for each the daemon acknowledged as
         stored (with ``--durable``: committed to its DISK). Raises ``ValueError`` for
         mismatched lengths or unusable tensors."""
-        _check_namespace(namespace)
-        hashes = _check_hashes(block_hashes)
+        check_namespace(namespace)
+        hashes = check_block_hashes(block_hashes)
         if len(blocks) != len(hashes):
             raise ValueError(f"expected one block per block hash ({len(hashes)}), got {len(blocks)}")
         self._check_blocks(namespace, blocks)
@@ -326,9 +316,8 @@ class RemoteTier:
         when the daemon cannot be reached. Any status comes back."""
         if self._closed:
             raise _Failed("unavailable")
-        with self._lock:
-            if time.monotonic() < self._down_until:
-                raise _Failed("skipped")
+        if self.backoff.paused():
+            raise _Failed("skipped")
         try:
             response = self._pool.urlopen(
                 method, self._base + path, body=body, headers={**self._headers, "Content-Type": content_type, **(headers or {})},
@@ -364,18 +353,13 @@ class RemoteTier:
             self.errors[reason] += 1
 
     def _down(self, cause: Any) -> None:
-        with self._lock:
-            if not self._backoff:
-                logger.warning("daemon %s unreachable (%s): its blocks are misses until it is back", self.url, cause)
-            self._backoff = min(self.max_backoff_s, 2 * self._backoff if self._backoff else self.backoff_s)
-            self._down_until = time.monotonic() + self._backoff
+        if not self.backoff.down:
+            logger.warning("daemon %s unreachable (%s): its blocks are misses until it is back", self.url, cause)
+        self.backoff.failed()
 
     def _up(self) -> None:
-        if self._backoff:
-            with self._lock:
-                if self._backoff:
-                    logger.info("daemon %s reachable again", self.url)
-                self._backoff, self._down_until = 0.0, 0.0
+        if self.backoff.succeeded():
+            logger.info("daemon %s reachable again", self.url)
 
     def _check_blocks(self, namespace: bytes, tensors: Sequence[torch.Tensor]) -> None:
         spec = self._specs.get(namespace)
@@ -492,10 +476,10 @@ def _read_frame(reader: _Reader, namespace: bytes, block_hash: bytes, out: torch
     hash_len = reader.read(1)[0]
     if hash_len == 0:
         return ReadStatus.MISSING
-    if hash_len not in HASH_NBYTES or reader.read(hash_len) != block_hash:
+    if hash_len not in BLOCK_HASH_NBYTES or reader.read(hash_len) != block_hash:
         return ReadStatus.CORRUPT  # out of step with the request: nothing after it is trusted
     header = reader.read(HEADER_NBYTES)
-    record = parse_record_header(header)
+    record = parse_header(header)
     if (
         record is None
         or record.namespace != namespace
@@ -553,18 +537,3 @@ def _error_message(response) -> str:
     except (OSError, HTTPError, http.client.HTTPException):
         return "(no body)"
     return data[:300].decode("utf-8", "replace") if data else "(no body)"
-
-
-def _check_namespace(namespace: bytes) -> None:
-    if not isinstance(namespace, bytes) or len(namespace) != 32:
-        raise ValueError(f"expected a 32-byte namespace, got {type(namespace).__name__} of length "
-                         f"{len(namespace) if hasattr(namespace, '__len__') else '?'}")
-
-
-def _check_hashes(block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
-    hashes = list(block_hashes)
-    for h in hashes:
-        if not isinstance(h, bytes) or len(h) not in HASH_NBYTES:
-            got = f"{len(h)} bytes" if isinstance(h, bytes) else type(h).__name__
-            raise ValueError(f"expected block hashes of 16 or 32 bytes, got {got}")
-    return hashes

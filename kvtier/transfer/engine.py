@@ -39,7 +39,6 @@ class TransferJob:
         block_hashes: the blocks, ``[n]``.
         src_ids: slots in the source pool (``None`` when ``src`` is DISK), ``[n]``.
         dst_ids: slots in the destination pool (``None`` when ``dst`` is DISK), ``[n]``.
-        evict: DISK writes only: records to delete in the same transaction (room).
         job_id: set by :meth:`TransferEngine.submit`.
     """
 
@@ -48,7 +47,6 @@ class TransferJob:
     block_hashes: list[BlockHash]
     src_ids: list[int] | None = None
     dst_ids: list[int] | None = None
-    evict: list[BlockHash] = field(default_factory=list)
     job_id: int = -1
 
 

@@ -160,7 +160,8 @@ class DiskHandler(_IOHandler):
 
     def _write(self, job: TransferJob) -> JobResult:
         puts = [(h, self.namespace, self.pool.tensor[s]) for h, s in zip(job.block_hashes, job.src_ids)]
-        ok = self.disk.write_batch(puts, deletes=job.evict)
+        # room was made when the job was submitted (under the store's lock, victims unpinned)
+        ok = self.disk.write_batch(puts)
         reasons = {i: "full" for i, good in enumerate(ok) if not good}
         return JobResult(job.job_id, ok, reasons, sum(ok) * self.pool.spec.block_nbytes)
 

@@ -87,6 +87,32 @@ def test_full_hit_leaves_one_block_to_compute_regression_b1(model, connector):
     assert plan33.num_cached_tokens == 32 and warm33 == cold33
 
 
+def test_before_prefill_counts_the_tokens_left_to_prefill(model, connector):
+    """The connector reports the prompt tokens the engine prefills itself through the
+    store's locked counter: 40 cold, then 40 - 32 cached."""
+    ids = prompt(40, seed=7)
+    generate(model, ids, connector, max_new_tokens=1)
+    assert connector.store.stats.computed_tokens == 40
+    _, plan = generate(model, ids, connector, max_new_tokens=1)
+    assert plan.num_cached_tokens == 32
+    assert connector.store.stats.computed_tokens == 40 + 8
+    assert connector.store.stats.ttft_saved_s is None  # no connector estimates it yet
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the model is on CPU only without CUDA here")
+def test_a_model_on_cpu_gets_no_gpu_tier(model, connector):
+    """Tiers are named by where they live: a model on the CPU has no GPU pool (its budget
+    joins the CPU pool), so hits are reported from CPU, never GPU."""
+    store = connector.store
+    assert [(p.medium, p.device.type) for p in store.pools] == [(Medium.CPU, "cpu")]
+    assert store.top.capacity_bytes == (8 << 20) // store.spec.block_nbytes * store.spec.block_nbytes
+    ids = prompt(48, seed=8)
+    generate(model, ids, connector, max_new_tokens=1)
+    _, plan = generate(model, ids, connector, max_new_tokens=1)
+    assert plan.sources == [Medium.CPU] * 2
+    assert set(store.stats.hit_blocks) == {Medium.CPU} and set(store.usage()) == {"CPU", "DISK"}
+
+
 def test_after_request_stores_only_full_blocks_regression_b3(model, connector):
     ids = prompt(3 * BLOCK + 5, seed=4)
     with torch.inference_mode():

@@ -76,7 +76,7 @@ def make_store(tmp_path, device) -> Iterator[Callable[..., TieredStore]]:
             flush_on_close=False, **kwargs,
         )
         namespace = KeyContext(model_id="gpu-ordering", block_size=spec.block_size).namespace()
-        stores.append(TieredStore(spec, config, namespace, device=device))
+        stores.append(TieredStore(spec, config, namespace, device=device, emulate_gpu=True))
         return stores[-1]
 
     yield factory

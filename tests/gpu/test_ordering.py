@@ -201,7 +201,7 @@ def _read_layers_as_they_land(store, block_hashes_: list[BlockHash], device) -> 
     """Prefetch, then per layer: ``wait_layer(l)`` and copy layer ``l`` of the loaded blocks
     out on the current stream. Returns the copies and the blocks' sources."""
     handle = store.prefetch(block_hashes_)
-    ids = torch.tensor([b.top_id for b in handle.blocks], dtype=torch.int64, device=device)
+    ids = torch.tensor(handle.block_ids, dtype=torch.int64, device=device)
     layers = []
     for layer in range(store.spec.num_layers):
         handle.wait_layer(layer)

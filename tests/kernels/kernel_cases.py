@@ -91,22 +91,35 @@ def make_hf_caches(
     return keys, values, backing
 
 
-def make_paged_caches(spec: Spec, device: str, *, poisoned: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-layer ``[2, NUM_PAGED_BLOCKS, block_size, H, head_dim]`` caches; odd layers are a
-    slice (blocks 1..) of a bigger tensor, so the layers form two stride groups.
-    Returns ``(caches, backing)``."""
-    shape = (2, NUM_PAGED_BLOCKS, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    caches, backing = [], []
+def make_paged_caches(
+    spec: Spec, device: str, *, poisoned: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer K and V ``[NUM_PAGED_BLOCKS, block_size, H, head_dim]`` block views of the
+    engine layouts kvtier meets, so the layers form several stride groups:
+
+    - even layers: vLLM's FlashAttention cache ``[2, num_blocks, block_size, H, D]`` (K, V =
+      ``cache[0]``, ``cache[1]``);
+    - odd layers: K from a FlashInfer-style ``[num_blocks, 2, block_size, H, D]`` cache, cut from
+      a bigger tensor (blocks 1.., head_dim padded); V from an ``HND`` cache
+      ``[num_blocks, H, block_size, D]`` seen through ``transpose(1, 2)``.
+
+    Returns ``(keys, values, backing)`` where ``backing`` holds every storage written to.
+    """
+    nb, bs, heads, d = NUM_PAGED_BLOCKS, spec.block_size, spec.num_kv_heads, spec.head_dim
+    keys, values, backing = [], [], []
     for layer in range(spec.num_layers):
         if layer % 2 == 0:
-            base = _filled(shape, spec.dtype, device, poisoned)
-            caches.append(base)
+            flash = _filled((2, nb, bs, heads, d), spec.dtype, device, poisoned)
+            keys.append(flash[0])
+            values.append(flash[1])
+            backing.append(flash)
         else:
-            wide_shape = (2, NUM_PAGED_BLOCKS + 2, *shape[2:-1], spec.head_dim + HEAD_DIM_PAD)
-            base = _filled(wide_shape, spec.dtype, device, poisoned)
-            caches.append(base[:, 1 : NUM_PAGED_BLOCKS + 1, ..., : spec.head_dim])
-        backing.append(base)
-    return caches, backing
+            flashinfer = _filled((nb + 2, 2, bs, heads, d + HEAD_DIM_PAD), spec.dtype, device, poisoned)
+            hnd = _filled((nb, heads, bs, d), spec.dtype, device, poisoned)
+            keys.append(flashinfer[1 : nb + 1, 0, ..., :d])
+            values.append(hnd.transpose(1, 2))
+            backing += [flashinfer, hnd]
+    return keys, values, backing
 
 
 def make_staging(spec: Spec, n: int, device: str, *, poisoned: bool) -> torch.Tensor:

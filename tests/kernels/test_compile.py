@@ -31,7 +31,7 @@ _COMPILE = textwrap.dedent(
     from kvtier.kernels import triton_kv
 
     kernel = triton_kv._copy_block_slabs_kernel
-    ints = ["other_token_offset", "block_size", "num_kv_heads", "head_dim"]
+    ints = ["block_size", "num_kv_heads", "head_dim"]
     strides = [n for n in kernel.arg_names if n.startswith("stride_") and not n.endswith("_d")]
     signature = {n: "i32" for n in ints} | {n: "i64" for n in strides}
     signature |= {"block_ids_ptr": "*i64", "other_ids_ptr": "*i64", "slab_table_ptr": "*i64"}

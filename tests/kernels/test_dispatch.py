@@ -66,15 +66,17 @@ def test_public_functions_agree_across_modes(monkeypatch: pytest.MonkeyPatch, po
     monkeypatch.setenv("KVTIER_KERNELS", mode)
     block_ids, paged_ids = ids(BLOCK_IDS, "cpu"), ids(PAGED_BLOCK_IDS, "cpu")
     keys, values = kernels.gather_blocks_to_layers(pool, block_ids)
-    expected_keys, expected_values = kernels.reference.gather_blocks_to_layers(pool, block_ids)
-    assert_same(keys + values, expected_keys + expected_values)
+    for layer in range(SPEC.num_layers):  # [1, H, n * block_size, D], block i at tokens i * block_size
+        for kv, caches in enumerate((keys, values)):
+            expected = pool[BLOCK_IDS, layer, kv].flatten(0, 1).transpose(0, 1).unsqueeze(0)
+            assert_same([caches[layer]], [expected])
     hf_keys, hf_values, _ = make_hf_caches(SPEC, N * SPEC.block_size + 1, "cpu", poisoned=True)
     kernels.gather_blocks_to_contiguous(pool, block_ids, hf_keys, hf_values, start_token=1)
-    paged, _ = make_paged_caches(SPEC, "cpu", poisoned=True)
-    kernels.gather_blocks_to_paged(pool, block_ids, paged, paged_ids)
+    paged_keys, paged_values, _ = make_paged_caches(SPEC, "cpu", poisoned=True)
+    kernels.gather_blocks_to_paged(pool, block_ids, paged_keys, paged_values, paged_ids)
     for write_back in (
         lambda p: kernels.scatter_contiguous_to_blocks(hf_keys, hf_values, p, block_ids, start_token=1),
-        lambda p: kernels.scatter_paged_to_blocks(paged, paged_ids, p, block_ids),
+        lambda p: kernels.scatter_paged_to_blocks(paged_keys, paged_values, paged_ids, p, block_ids),
     ):
         back = make_pool(SPEC, "cpu", poisoned=True)
         write_back(back)
@@ -114,9 +116,9 @@ def test_bad_block_ids_raise(pool: torch.Tensor, block_ids: object, message: str
 def test_repeated_destination_ids_raise(pool: torch.Tensor) -> None:
     with pytest.raises(ValueError, match="expected distinct block_ids"):
         kernels.unpack_blocks(_staging(), pool, torch.tensor([5, 0, 5]))
-    paged, _ = make_paged_caches(SPEC, "cpu", poisoned=True)
+    keys, values, _ = make_paged_caches(SPEC, "cpu", poisoned=True)
     with pytest.raises(ValueError, match="expected distinct paged_block_ids"):
-        kernels.gather_blocks_to_paged(pool, ids(BLOCK_IDS, "cpu"), paged, torch.tensor([2, 2, 0]))
+        kernels.gather_blocks_to_paged(pool, ids(BLOCK_IDS, "cpu"), keys, values, torch.tensor([2, 2, 0]))
 
 
 def test_repeated_source_ids_are_allowed(pool: torch.Tensor) -> None:
@@ -161,13 +163,18 @@ def test_bad_hf_caches_raise(pool: torch.Tensor) -> None:
 
 def test_bad_paged_caches_raise(pool: torch.Tensor) -> None:
     block_ids, paged_ids = ids(BLOCK_IDS, "cpu"), ids(PAGED_BLOCK_IDS, "cpu")
-    paged, _ = make_paged_caches(SPEC, "cpu", poisoned=True)
+    keys, values, _ = make_paged_caches(SPEC, "cpu", poisoned=True)
     with pytest.raises(ValueError, match="expected paged_block_ids as long as block_ids"):
-        kernels.scatter_paged_to_blocks(paged, paged_ids[:2], pool, block_ids)
+        kernels.scatter_paged_to_blocks(keys, values, paged_ids[:2], pool, block_ids)
     with pytest.raises(ValueError, match=r"expected paged_block_ids in \[0, 6\)"):
-        kernels.scatter_paged_to_blocks(paged, torch.tensor([2, 6, 0]), pool, block_ids)
-    with pytest.raises(ValueError, match=r"with num_paged_blocks=6 as in layer 0"):
-        kernels.gather_blocks_to_paged(pool, block_ids, [paged[0], paged[1][:, :5]], paged_ids)
+        kernels.scatter_paged_to_blocks(keys, values, torch.tensor([2, 6, 0]), pool, block_ids)
+    fewer_blocks = r"expected value_caches\[1\] of shape .* with num_paged_blocks=6 as in key_caches\[0\]"
+    with pytest.raises(ValueError, match=fewer_blocks):
+        kernels.gather_blocks_to_paged(pool, block_ids, keys, [values[0], values[1][:5]], paged_ids)
+    with pytest.raises(ValueError, match=r"expected key_caches\[0\] of shape \[num_paged_blocks, 1, 3, 80\]"):
+        kernels.gather_blocks_to_paged(pool, block_ids, [k.transpose(1, 2) for k in keys], values, paged_ids)
+    with pytest.raises(ValueError, match="expected value_caches to be a sequence of num_layers=2"):
+        kernels.scatter_paged_to_blocks(keys, values[:1], paged_ids, pool, block_ids)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,10 +1,16 @@
 """The Triton kernels against the torch reference: bit-exact, poisoned outputs, odd strides.
 
-On CPU the kernels run in the Triton interpreter (conftest sets ``TRITON_INTERPRET=1``);
-``TestOnCuda`` runs the same checks compiled on a GPU.
+Each check calls the public functions of ``kvtier.kernels`` twice, with
+``KVTIER_KERNELS=triton`` and ``=torch``, so the block views they build for each layout are
+exercised too. On CPU the kernels run in the Triton interpreter (conftest sets
+``TRITON_INTERPRET=1``); ``TestOnCuda`` runs the same checks compiled on a GPU.
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,7 +29,7 @@ from kernel_cases import (
     num_written,
 )
 
-from kvtier.kernels import reference
+import kvtier.kernels as kernels
 
 triton_kv = pytest.importorskip("kvtier.kernels.triton_kv")
 
@@ -32,6 +38,22 @@ needs_interpreter = pytest.mark.skipif(
 )
 specs = pytest.mark.parametrize("spec", SPECS, ids=str)
 small_specs = pytest.mark.parametrize("spec", SMALL_SPECS, ids=str)
+MODES = ("triton", "torch")  # the kernels first, then the reference they must equal
+
+
+@contextlib.contextmanager
+def backend(mode: str, pool: torch.Tensor) -> Iterator[None]:
+    """Run the public functions on ``mode`` (``KVTIER_KERNELS``), checking it is the one used."""
+    saved = os.environ.get("KVTIER_KERNELS")
+    os.environ["KVTIER_KERNELS"] = mode
+    try:
+        assert kernels.use_triton(pool) is (mode == "triton")
+        yield
+    finally:
+        if saved is None:
+            del os.environ["KVTIER_KERNELS"]
+        else:
+            os.environ["KVTIER_KERNELS"] = saved
 
 
 def _storage(t: torch.Tensor) -> torch.Tensor:
@@ -48,9 +70,10 @@ def check_gather_contiguous(spec: Spec, device: str, start_token: int) -> None:
     pool, block_ids = make_pool(spec, device), ids(BLOCK_IDS, device)
     seq_len = start_token + len(BLOCK_IDS) * spec.block_size + 2
     outputs = []
-    for impl in (triton_kv, reference):
+    for mode in MODES:
         keys, values, backing = make_hf_caches(spec, seq_len, device, poisoned=True)
-        impl.gather_blocks_to_contiguous(pool, block_ids, keys, values, start_token)
+        with backend(mode, pool):
+            kernels.gather_blocks_to_contiguous(pool, block_ids, keys, values, start_token)
         outputs.append(backing)
     assert_same(*outputs)
     assert num_written(outputs[0]) == _copied_elements(spec)
@@ -61,9 +84,10 @@ def check_scatter_contiguous(spec: Spec, device: str, start_token: int) -> None:
     keys, values, _ = make_hf_caches(spec, seq_len, device, poisoned=False)
     block_ids = ids(BLOCK_IDS, device)
     outputs = []
-    for impl in (triton_kv, reference):
+    for mode in MODES:
         pool = make_pool(spec, device, poisoned=True)
-        impl.scatter_contiguous_to_blocks(keys, values, pool, block_ids, start_token)
+        with backend(mode, pool):
+            kernels.scatter_contiguous_to_blocks(keys, values, pool, block_ids, start_token)
         outputs.append([_storage(pool)])
     assert_same(*outputs)
     assert num_written(outputs[0]) == _copied_elements(spec)
@@ -72,21 +96,23 @@ def check_scatter_contiguous(spec: Spec, device: str, start_token: int) -> None:
 def check_gather_paged(spec: Spec, device: str) -> None:
     pool, block_ids, paged_ids = make_pool(spec, device), ids(BLOCK_IDS, device), ids(PAGED_BLOCK_IDS, device)
     outputs = []
-    for impl in (triton_kv, reference):
-        caches, backing = make_paged_caches(spec, device, poisoned=True)
-        impl.gather_blocks_to_paged(pool, block_ids, caches, paged_ids)
+    for mode in MODES:
+        keys, values, backing = make_paged_caches(spec, device, poisoned=True)
+        with backend(mode, pool):
+            kernels.gather_blocks_to_paged(pool, block_ids, keys, values, paged_ids)
         outputs.append(backing)
     assert_same(*outputs)
     assert num_written(outputs[0]) == _copied_elements(spec)
 
 
 def check_scatter_paged(spec: Spec, device: str) -> None:
-    caches, _ = make_paged_caches(spec, device, poisoned=False)
+    keys, values, _ = make_paged_caches(spec, device, poisoned=False)
     block_ids, paged_ids = ids(BLOCK_IDS, device), ids(PAGED_BLOCK_IDS, device)
     outputs = []
-    for impl in (triton_kv, reference):
+    for mode in MODES:
         pool = make_pool(spec, device, poisoned=True)
-        impl.scatter_paged_to_blocks(caches, paged_ids, pool, block_ids)
+        with backend(mode, pool):
+            kernels.scatter_paged_to_blocks(keys, values, paged_ids, pool, block_ids)
         outputs.append([_storage(pool)])
     assert_same(*outputs)
     assert num_written(outputs[0]) == _copied_elements(spec)
@@ -95,9 +121,10 @@ def check_scatter_paged(spec: Spec, device: str) -> None:
 def check_pack(spec: Spec, device: str) -> None:
     pool, block_ids = make_pool(spec, device), ids(BLOCK_IDS, device)
     outputs = []
-    for impl in (triton_kv, reference):
+    for mode in MODES:
         staging = make_staging(spec, len(BLOCK_IDS), device, poisoned=True)
-        impl.pack_blocks(pool, block_ids, staging)
+        with backend(mode, pool):
+            kernels.pack_blocks(pool, block_ids, staging)
         outputs.append([staging])
     assert_same(*outputs)
     assert num_written(outputs[0]) == _copied_elements(spec)
@@ -107,9 +134,10 @@ def check_unpack(spec: Spec, device: str) -> None:
     staging = make_staging(spec, len(BLOCK_IDS), device, poisoned=False)
     block_ids = ids(BLOCK_IDS, device)
     outputs = []
-    for impl in (triton_kv, reference):
+    for mode in MODES:
         pool = make_pool(spec, device, poisoned=True)
-        impl.unpack_blocks(staging, pool, block_ids)
+        with backend(mode, pool):
+            kernels.unpack_blocks(staging, pool, block_ids)
         outputs.append([_storage(pool)])
     assert_same(*outputs)
     assert num_written(outputs[0]) == _copied_elements(spec)
@@ -117,10 +145,13 @@ def check_unpack(spec: Spec, device: str) -> None:
 
 def check_gather_layers(spec: Spec, device: str) -> None:
     pool, block_ids = make_pool(spec, device), ids(BLOCK_IDS, device)
-    keys, values = triton_kv.gather_blocks_to_layers(pool, block_ids)
-    expected_keys, expected_values = reference.gather_blocks_to_layers(pool, block_ids)
-    assert all(t.is_contiguous() for t in keys + values)
-    assert_same(keys + values, expected_keys + expected_values)
+    outputs = []
+    for mode in MODES:
+        with backend(mode, pool):
+            keys, values = kernels.gather_blocks_to_layers(pool, block_ids)
+        assert all(t.is_contiguous() for t in keys + values)
+        outputs.append(keys + values)
+    assert_same(*outputs)
 
 
 def check_round_trip(spec: Spec, device: str, start_token: int) -> None:
@@ -128,8 +159,9 @@ def check_round_trip(spec: Spec, device: str, start_token: int) -> None:
     num_tokens = len(BLOCK_IDS) * spec.block_size
     keys, values, _ = make_hf_caches(spec, start_token + num_tokens, device, poisoned=False)
     pool, block_ids = make_pool(spec, device, poisoned=True), ids(BLOCK_IDS, device)
-    triton_kv.scatter_contiguous_to_blocks(keys, values, pool, block_ids, start_token)
-    keys_back, values_back = triton_kv.gather_blocks_to_layers(pool, block_ids)
+    with backend("triton", pool):
+        kernels.scatter_contiguous_to_blocks(keys, values, pool, block_ids, start_token)
+        keys_back, values_back = kernels.gather_blocks_to_layers(pool, block_ids)
     expected = [t[:, :, start_token:] for t in keys + values]
     assert_same(keys_back + values_back, expected)
 

@@ -9,7 +9,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.server.app import make_app
-from kvtier.server.wire import pack
+from kvtier.wire import pack
 from tests.conftest import random_blocks
 from tests.server.conftest import NAMESPACE, SPEC, frames, hashes, ns_url, register, serve_settings
 

@@ -54,7 +54,7 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 def test_demo_and_bench_plots(tmp_path):
-    plots = pytest.importorskip("kvtier.plots")
+    plots = pytest.importorskip("kvtier.app.plots")
     pytest.importorskip("matplotlib")
     turns = [{"conversation": c, "turn": t, "prompt_tokens": 100 * t, "cached_tokens": 90 * (t - 1),
               "ttft_without_s": 0.1 * t, "ttft_with_s": 0.05} for c in (1, 2) for t in (1, 2, 3)]
@@ -77,7 +77,7 @@ def test_demo_and_benchmarks_take_a_plot_path():
     from click.testing import CliRunner
 
     from bench.common import arg_parser
-    from kvtier.cli import main
+    from kvtier.app.cli import main
 
     assert "--plot" in CliRunner().invoke(main, ["demo", "--help"]).output
     assert arg_parser("x").parse_args(["--plot", "out.png"]).plot == Path("out.png")

@@ -7,7 +7,7 @@ import json
 from aiohttp import web
 from click.testing import CliRunner
 
-from kvtier.cli import main
+from kvtier.app.cli import main
 from kvtier.dashboard import setup_observability
 from tests.conftest import BLOCK_SIZE, chain, random_blocks, tiny_spec
 

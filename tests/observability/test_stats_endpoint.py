@@ -160,16 +160,16 @@ def test_setup_refuses_a_bad_stores_argument():
 
 
 async def test_connector_counters_are_shown_when_the_store_has_them(make_store, namespace, client_for):
-    """TTFT saved and the engine's prefilled tokens come from a connector's counters in
-    store.stats (``ttft_saved_s``, ``computed_tokens``); TTFT saved is null until one counts
-    it (the store itself has computed_tokens, 0 until a connector adds to it)."""
+    """TTFT saved and the engine's prefilled tokens come from a connector's counts
+    (``store.record_computed_tokens``, into ``stats.computed_tokens`` and
+    ``stats.ttft_saved_s``); TTFT saved is null until one counts it."""
     _, a, b = two_stores(make_store, namespace)
     app = web.Application()
     obs = setup_observability(app, {"a": a, "b": b})
     client = await client_for(app)
     doc = await (await client.get("/v1/stats")).json()
     assert doc["total"]["ttft_saved_s"] is None and doc["namespaces"]["a"]["engine_computed_tokens"] == 0
-    a.stats.ttft_saved_s, a.stats.computed_tokens = 1.25, 96
+    a.record_computed_tokens(96, ttft_saved_s=1.25)
     doc = await (await client.get("/v1/stats")).json()
     assert doc["namespaces"]["a"]["ttft_saved_s"] == 1.25 and doc["total"]["ttft_saved_s"] == 1.25
     assert doc["total"]["engine_computed_tokens"] == 96 and doc["namespaces"]["b"]["ttft_saved_s"] is None

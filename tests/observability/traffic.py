@@ -30,7 +30,7 @@ def traffic_store(data_dir, gpu_blocks: int = 24, cpu_blocks: int = 48, disk_blo
         disk_bytes=disk_blocks * record_footprint(SPEC.block_nbytes), block_size=SPEC.block_size,
         data_dir=data_dir, flush_on_close=False,
     )
-    return TieredStore(SPEC, config, namespace, device="cpu")
+    return TieredStore(SPEC, config, namespace, device="cpu", emulate_gpu=True)
 
 
 class Traffic:

@@ -48,7 +48,7 @@ def _config(data_dir, gpu=4, cpu=0, disk=0, spec: KVSpec = SPEC, **kwargs) -> St
 
 
 def _open(data_dir, gpu=4, cpu=0, disk=0, spec: KVSpec = SPEC, **kwargs) -> TieredStore:
-    return TieredStore(spec, _config(data_dir, gpu, cpu, disk, spec, **kwargs), NS, device="cpu")
+    return TieredStore(spec, _config(data_dir, gpu, cpu, disk, spec, **kwargs), NS, device="cpu", emulate_gpu=True)
 
 
 @pytest.fixture
@@ -275,8 +275,8 @@ def _gc_on_io_thread_child(data_dir, conn) -> None:
     calls = itertools.count()
 
     def lock_held_by_another_thread() -> bool:
-        if store._lock.acquire(blocking=False):
-            store._lock.release()
+        if store.residency.lock.acquire(blocking=False):
+            store.residency.lock.release()
             return False
         return True
 
@@ -735,10 +735,17 @@ def connectors():
             pass
 
 
-def _connector(llama, config):
+def _connector(llama, config, emulate_gpu=False):
+    """``emulate_gpu``: the GPU pool of ``config`` in host memory (a model on the CPU gets
+    none: its budget joins the CPU pool), for the two-pool hierarchy of a CUDA machine."""
     from kvtier.connectors.hf import HFConnector
 
-    return HFConnector.from_model(llama, config, model_id="tiny-llama")
+    conn = HFConnector.from_model(llama, config, model_id="tiny-llama")
+    if not emulate_gpu:
+        return conn
+    conn.close()
+    store = TieredStore(conn.store.spec, config, conn.namespace, device="cpu", emulate_gpu=True)
+    return HFConnector(llama, store, conn.key_context)
 
 
 def _prompt(n: int, seed: int = 0) -> torch.Tensor:
@@ -834,7 +841,7 @@ def test_hf_after_request_without_a_cache_raises_a_typed_error(llama, tmp_path, 
                    "serves at most top.num_blocks blocks (here 4 of 10, all stored, from CPU); fix: load and gather "
                    "in chunks of the top pool")
 def test_hf_after_request_stores_a_request_longer_than_the_gpu_pool(llama, tmp_path, connectors):
-    conn = connectors(_connector(llama, _hf_config(tmp_path, llama, gpu=4, cpu=64)))
+    conn = connectors(_connector(llama, _hf_config(tmp_path, llama, gpu=4, cpu=64), emulate_gpu=True))
     ids = _prompt(10 * HF_BLOCK + 3, seed=5)
     cold, _ = _generate(llama, ids, conn)
     assert conn.store.lookup(conn.block_hashes(ids[0])).num_hit_blocks == 10

@@ -78,8 +78,8 @@ def open_store(data_dir, gpu=2, cpu=2, disk=6, spec: KVSpec = SPEC, namespace: b
                **kwargs) -> TieredStore:
     config = store_config(data_dir, gpu, cpu, disk, spec, **kwargs)
     if remote is None:
-        return TieredStore(spec, config, namespace, device="cpu")
-    return TieredStore(spec, config, namespace, device="cpu", remote=remote)
+        return TieredStore(spec, config, namespace, device="cpu", emulate_gpu=True)
+    return TieredStore(spec, config, namespace, device="cpu", remote=remote, emulate_gpu=True)
 
 
 def loaded_bytes(store: TieredStore, result) -> torch.Tensor:

@@ -63,6 +63,7 @@ def _chat_under_faults(llama, tmp_path, plan: FaultPlan, remote=None) -> int:
                 else:
                     with inject_remote_faults(remote, plan):
                         warm, plan_ = _generate(llama, history, conn)
+                        conn.store.wait_for_writes()  # the background puts, under the faults too
             assert warm == cold, f"turn {turn}: output differs from a cold run under {plan.faults}"
             cached += plan_.num_cached_tokens
             history = torch.cat([history, torch.tensor([cold]), _prompt(19, seed=10 + turn)], dim=1)

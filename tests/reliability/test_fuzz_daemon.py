@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from kvtier.records import encode_header
 from kvtier.server.app import REGISTRY
-from kvtier.server.wire import END, frame_prefix, pack, spec_to_wire
+from kvtier.wire import END, frame_prefix, pack, spec_to_wire
 from kvtier.types import DTYPE_NAMES
 from tests.conftest import random_blocks
 from tests.reliability.conftest import reliability_settings

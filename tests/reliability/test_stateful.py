@@ -242,17 +242,15 @@ class StoreMachine(RuleBasedStateMachine):
         if store is None:
             return
         if self.pending:  # prefetch slots are pending by design until waited
-            with store._lock:
-                store._reap(wait=True)
+            store.wait_for_writes()
+            with store.residency.lock:
                 for pool in store.pools:
                     pool.check()
                 if store.disk is not None:
                     store.disk.check()
         else:
             store.check_invariants()
-        with store._lock:
-            store._drain()
-            pinned = dict(store._ref_cnt)
+        pinned = store.residency.pinned()
         expected = Counter()
         for lease in self.held:
             if not lease.released:
@@ -267,7 +265,7 @@ class StoreMachine(RuleBasedStateMachine):
             dropped |= self.plan.keys(op="write", kind="corrupt")
         lost = set(pinned) - dropped
         remote = set() if self.remote is None else {h for _, h in self.remote.records}
-        coming = {h for medium, h in store._pending if medium is store.top.medium}  # prefetches bringing it up
+        coming = store.residency.pending(store.top.medium)  # prefetches bringing it up
         present = [store.medium_of(h) is not None or h in coming | remote for h in lost]
         assert all(present), "a pinned block was evicted"
         for tier in store.usage().values():
@@ -278,11 +276,11 @@ class StoreMachine(RuleBasedStateMachine):
         store = self.store
         if store is None:
             return
-        with store._lock:
+        with store.residency.lock:
             for pool in store.pools:
                 for h in list(pool.lru_order()):
                     assert h in self.stored, f"{pool.medium} holds a block never stored"
-                    if (pool.medium, h) in store._pending:
+                    if store.residency.is_pending(pool.medium, h):
                         continue  # a transfer is filling it
                     got = pool.tensor[pool.block_id(h)]
                     assert torch.equal(got, content(h)), f"{pool.medium} slot of a hash holds other bytes (O2)"

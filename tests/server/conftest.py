@@ -21,10 +21,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvtier.config import StoreConfig
-from kvtier.records import HEADER_NBYTES, encode_header, parse_record_header
+from kvtier.records import HEADER_NBYTES, encode_header, parse_header
 from kvtier.server.app import make_app
 from kvtier.server.settings import ServeConfig
-from kvtier.server.wire import END, block_bytes, frame_prefix, pack, spec_to_wire
+from kvtier.wire import END, block_bytes, frame_prefix, pack, spec_to_wire
 from kvtier.tiers.disk import record_footprint
 from tests.conftest import tiny_spec
 
@@ -63,7 +63,7 @@ def parse_frames(body: bytes) -> list[tuple[bytes, bytes, bytes]]:
         h = body[offset + 1 : offset + 1 + n]
         offset += 1 + n
         header = body[offset : offset + HEADER_NBYTES]
-        record = parse_record_header(header)
+        record = parse_header(header)
         assert record is not None
         offset += HEADER_NBYTES
         out.append((h, header, body[offset : offset + record.payload_nbytes]))

@@ -10,11 +10,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvtier.cli import main
+from kvtier.app.cli import main
 from kvtier.records import encode_header
 from kvtier.server.app import REGISTRY, SETTINGS
+from kvtier.server.registry import SPEC_FILE
 from kvtier.server.settings import ServeConfig
-from kvtier.server.wire import END, frame_prefix, pack, spec_to_wire
+from kvtier.wire import END, frame_prefix, pack, spec_to_wire
 from kvtier.types import KVSpec, Medium
 from tests.conftest import random_blocks
 from tests.server.conftest import (
@@ -106,6 +107,45 @@ async def test_delete_drops_the_namespace_and_its_blocks(make_api, tmp_path):
     assert (await client.delete(ns_url())).status == 404
     await register(client)  # registers afresh, empty
     assert (await lookup(client, hs))["num_blocks"] == 0
+
+
+@pytest.mark.parametrize("name", ["%20" * 64, "00" * 31 + "%20%20", "%09" + "0" * 63, "0" * 63 + "%0A",
+                                  NAMESPACE.hex().upper()])
+async def test_a_namespace_that_is_not_64_lowercase_hex_digits_touches_no_directory(make_api, tmp_path, name):
+    """Issue 12: 64 characters that ``bytes.fromhex`` decodes to fewer than 32 bytes (it skips
+    whitespace) once named the data directory itself, and the failed registration's cleanup
+    deleted every namespace. Every such name is a 400 now, for every verb, and nothing moves."""
+    client = await make_api()
+    await register(client)
+    hs, blocks = hashes(3), random_blocks(SPEC, 3, seed=11)
+    await put_blocks(client, hs, blocks)
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "data").rglob("*"))
+
+    url = f"/v1/namespaces/{name}"
+    for method, path, body in (("PUT", url, pack(spec_to_wire(SPEC))), ("GET", url, b""), ("DELETE", url, b""),
+                               ("POST", url + "/put", frames(NAMESPACE, hs, blocks))):
+        response = await client.request(method, path, data=body)
+        assert response.status == 400, (method, await response.text())
+        assert "64 lowercase hex digits" in (await response.json())["error"]
+
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "data").rglob("*")) == before
+    assert not (tmp_path / "data" / SPEC_FILE).exists()
+    assert [p for _, _, p in await get_blocks(client, hs)] == [payload(b) for b in blocks]
+
+
+async def test_restart_ignores_directories_not_named_by_a_namespace(make_api, tmp_path):
+    settings = serve_settings(tmp_path / "data")
+    client = await make_api(settings)
+    await register(client)
+    await client.close()
+    stray = tmp_path / "data" / NAMESPACE.hex().upper()  # same bytes, another spelling
+    stray.mkdir()
+    (stray / SPEC_FILE).write_bytes((tmp_path / "data" / NAMESPACE.hex() / SPEC_FILE).read_bytes())
+
+    client = await make_api(settings)
+    registry = client.server.app[REGISTRY]
+    assert [entry.path.name for entry in registry] == [NAMESPACE.hex()]
+    assert stray.is_dir()  # left alone, never opened, never deleted
 
 
 async def test_restart_reopens_namespaces_and_disk_blocks_hit(make_api, tmp_path):

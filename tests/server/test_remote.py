@@ -99,7 +99,7 @@ def test_caller_bugs_raise_value_error(thread_daemon, remotes):
         remote.get_into(NAMESPACE, hashes(2), empty_outs(1))
     with pytest.raises(ValueError, match="contiguous"):
         remote.get_into(NAMESPACE, hashes(1), [torch.zeros(SPEC.block_shape[::-1]).permute(4, 3, 2, 1, 0)])
-    with pytest.raises(ValueError, match="32-byte namespace"):
+    with pytest.raises(ValueError, match="namespace of 32 bytes"):
         remote.lookup(b"ns", hashes(1))
 
 

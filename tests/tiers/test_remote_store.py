@@ -172,3 +172,53 @@ def test_a_load_that_is_not_a_lookup_is_not_counted(make_store, namespace, tmp_p
         pass
     assert store.stats.lookup_blocks == 4 and store.stats.hit_blocks[Medium.GPU] == 4
     assert store.stats.loaded_blocks[Medium.GPU] == 4
+
+
+def _interleaved_store(make_store, namespace, data_dir, hashes, blocks):
+    """A store whose blocks 0-1 and 4-5 are local (GPU) and 2-3 and 6-7 only on its REMOTE."""
+    remote = MemoryRemote()
+    store = make_store(gpu_blocks=8, remote=remote, data_dir=data_dir)
+    for part in (slice(2, 4), slice(6, 8)):
+        assert remote.put(namespace, hashes[part], list(blocks[part])) == [True, True]
+    for part in (slice(0, 2), slice(4, 6)):
+        assert store.store(hashes[part], blocks[part]) == 2
+    store.wait_for_writes()
+    for h in hashes[0:2] + hashes[4:6]:
+        del remote.records[(namespace, h)]  # the background puts: keep REMOTE's part apart
+    return store
+
+
+def _lookup_counts(store) -> dict:
+    s = store.stats
+    return {"lookup": s.lookup_blocks, "remote_lookup": s.remote_lookup_blocks, "hits": dict(s.hit_blocks)}
+
+
+def test_lookup_and_prefetch_of_one_chain_count_the_same(make_store, namespace, tmp_path):
+    """One lookup path counts (the hit rate users see): lookup() and prefetch() of the same
+    chain in identical stores give identical stats, REMOTE rounds included (local, REMOTE,
+    local, REMOTE: the REMOTE tier is asked twice, 6 blocks then 2)."""
+    spec = tiny_spec()
+    hashes, blocks = chain(8, spec, namespace), random_blocks(spec, 8, seed=11)
+    looked = _interleaved_store(make_store, namespace, tmp_path / "a", hashes, blocks)
+    fetched = _interleaved_store(make_store, namespace, tmp_path / "b", hashes, blocks)
+    before = _lookup_counts(looked)
+    assert before == _lookup_counts(fetched)
+
+    result = looked.lookup(hashes, request_id="r1")
+    assert result.media == [Medium.GPU] * 2 + [Medium.REMOTE] * 2 + [Medium.GPU] * 2 + [Medium.REMOTE] * 2
+    loaded = fetched.prefetch(hashes, request_id="r1").wait()
+    counts = _lookup_counts(looked)
+    assert counts == _lookup_counts(fetched)
+    assert loaded.sources == result.media  # and the prefetch loads all of what it counted
+    assert torch.equal(fetched.top.tensor[loaded.block_ids], blocks)
+    loaded.lease.release()
+    assert counts["lookup"] - before["lookup"] == 8
+    assert counts["remote_lookup"] - before["remote_lookup"] == 6 + 2
+    assert counts["hits"][Medium.GPU] - before["hits"].get(Medium.GPU, 0) == 4
+    assert counts["hits"][Medium.REMOTE] - before["hits"].get(Medium.REMOTE, 0) == 4
+    # the same request again (a retried schedule) counts once, through either call (case M1)
+    looked.prefetch(hashes, request_id="r1").wait().lease.release()
+    fetched.lookup(hashes, request_id="r1")
+    assert _lookup_counts(looked) == _lookup_counts(fetched) == counts
+    looked.check_invariants()
+    fetched.check_invariants()

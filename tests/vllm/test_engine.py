@@ -66,7 +66,7 @@ def corrupt_record(disk_dir: Path, seq_rank: int) -> bytes:
     in place (the checksum no longer matches); returns its key."""
     with lmdb.open(str(disk_dir), max_dbs=0, lock=True) as env:
         with env.begin() as txn:
-            records = sorted((parse_header(memoryview(value))[1], bytes(key)) for key, value in txn.cursor())
+            records = sorted((parse_header(value, len(value)).seq, bytes(key)) for key, value in txn.cursor())
         key = records[seq_rank][1]
         with env.begin(write=True) as txn:
             value = bytearray(txn.get(key))

@@ -60,7 +60,8 @@ def test_kernels_round_trip_exact_bytes_through_the_view() -> None:
     pool = torch.full((5, *spec.block_shape), float("nan"))
     src_ids, pool_ids = torch.tensor([4, 1, 2]), torch.tensor([0, 3, 2])
     for layer, cache in enumerate(caches):
-        scatter_paged_to_blocks([paged_view(cache, BLOCK)], src_ids, pool[:, layer : layer + 1], pool_ids)
+        view = paged_view(cache, BLOCK)
+        scatter_paged_to_blocks([view[0]], [view[1]], src_ids, pool[:, layer : layer + 1], pool_ids)
     for src, slot in zip(src_ids.tolist(), pool_ids.tolist()):
         for layer, cache in enumerate(caches):
             assert torch.equal(pool[slot, layer].reshape(-1), cache[src].reshape(-1))  # verbatim
@@ -68,7 +69,8 @@ def test_kernels_round_trip_exact_bytes_through_the_view() -> None:
     targets = [torch.full_like(c, -7.0) for c in caches]
     dst_ids = torch.tensor([0, 5, 3])
     for layer, target in enumerate(targets):
-        gather_blocks_to_paged(pool[:, layer : layer + 1], pool_ids, [paged_view(target, BLOCK)], dst_ids)
+        view = paged_view(target, BLOCK)
+        gather_blocks_to_paged(pool[:, layer : layer + 1], pool_ids, [view[0]], [view[1]], dst_ids)
     for layer, (cache, target) in enumerate(zip(caches, targets)):
         assert torch.equal(target[dst_ids], cache[src_ids])
         untouched = [b for b in range(NUM_BLOCKS) if b not in dst_ids.tolist()]

@@ -16,9 +16,10 @@ slice of a kvtier block (``[2, block_size, num_kv_heads, head_dim]``, the same n
 elements) holds vLLM's block ``[num_kv_heads, block_size, 2 * head_dim]`` verbatim. Through
 :func:`paged_view`, ``cache.view(nb, 2, N, H, D).permute(1, 0, 2, 3, 4)``, one block of
 vLLM's cache *is* such a slice, so ``kvtier.kernels.gather_blocks_to_paged`` and
-``scatter_paged_to_blocks`` move a block with one contiguous copy per layer, and a load
-restores the exact bytes. The labels K/V, token and head of those slices do not describe their
-content (K is transposed, heads are outermost), so the layout's name, part of the namespace,
+``scatter_paged_to_blocks``, given ``view[0]`` and ``view[1]`` as the layer's K and V caches,
+move a block with contiguous copies, and a load restores the exact bytes. The labels K/V,
+token and head of those slices do not describe their content (K is transposed, heads are
+outermost), so the layout's name, part of the namespace,
 is ``vllm-cpu-attn/<isa>/vllm-<version>`` and never kvtier's ``LKVTHD``: these blocks never
 mix with blocks of another layout or ISA, nor with those of another vLLM release (whose
 kernels may lay blocks out differently: an upgrade starts with misses, never with wrong K/V).
@@ -59,7 +60,8 @@ def cpu_attn_isa(vllm_config: Any) -> str:
 def paged_view(cache: torch.Tensor, block_size: int) -> torch.Tensor:
     """One layer's CPU_ATTN cache in the shape of kvtier's paged layout (a view, no copy):
     block ``b`` of the result, ``[2, block_size, num_kv_heads, head_dim]``, is block ``b`` of
-    ``cache`` with its bytes in memory order (see the module docstring).
+    ``cache`` with its bytes in memory order (see the module docstring); ``view[0]`` and
+    ``view[1]`` are the K and V caches ``kvtier.kernels`` takes.
 
     Args:
         cache: ``[num_paged_blocks, num_kv_heads, block_size, 2 * head_dim]``, contiguous.

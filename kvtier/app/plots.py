@@ -1,13 +1,13 @@
 """PNG plots of the demo and the benchmarks (matplotlib, Agg backend: no display needed).
 
 - :func:`plot_demo`: TTFT per turn without and with kvtier, and each prompt's cached tokens,
-  from the demo's JSON document (:meth:`kvtier.demo.DemoReport.summary`).
+  from the demo's JSON document (:meth:`kvtier.app.demo.DemoReport.summary`).
 - :func:`plot_bench`: each benchmark row's value beside its same-run baseline, one panel per
   unit, from a benchmark's ``{"bench", "rows"}`` document (:mod:`bench.common`).
 
 Both read the JSON documents the commands write, so saved results can be drawn again::
 
-    python -m kvtier.plots bench/results/2026-11-30-cpu/tiers.json tiers.png
+    python -m kvtier.app.plots bench/results/2026-11-30-cpu/tiers.json tiers.png
 
 matplotlib is an optional dependency (``pip install 'kvtier[plot]'``).
 """
@@ -130,5 +130,5 @@ def plot_file(json_path: str | Path, png_path: str | Path) -> Path:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m kvtier.plots RESULT.json OUT.png")
+        sys.exit("usage: python -m kvtier.app.plots RESULT.json OUT.png")
     print(plot_file(sys.argv[1], sys.argv[2]))

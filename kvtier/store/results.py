@@ -1,16 +1,26 @@
-"""Result and ownership types of the store protocol (see kvtier.store)."""
+"""Result and ownership types of the store protocol (see :mod:`kvtier.store`).
+
+The bottom of the store package: imports nothing from it. A :class:`Lease` pins through any
+object with ``pin(block_hashes)`` and ``release_pins(block_hashes)``
+(:class:`kvtier.store.residency.Residency`).
+"""
 
 from __future__ import annotations
 
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from kvtier.types import BlockHash, Medium
 
-if TYPE_CHECKING:
-    from kvtier.store import TieredStore
+
+class Pins(Protocol):
+    """What a lease needs from the store: pin now, release later (never blocking)."""
+
+    def pin(self, block_hashes: Sequence[BlockHash]) -> None: ...
+
+    def release_pins(self, block_hashes: Sequence[BlockHash]) -> None: ...
 
 
 class Lease:
@@ -18,12 +28,12 @@ class Lease:
 
     __slots__ = ("block_hashes", "_finalizer", "__weakref__")
 
-    def __init__(self, store: "TieredStore", block_hashes: Sequence[BlockHash]) -> None:
+    def __init__(self, pins: Pins, block_hashes: Sequence[BlockHash]) -> None:
         self.block_hashes = tuple(block_hashes)
-        store._pin(self.block_hashes)
+        pins.pin(self.block_hashes)
         # Runs on release() or when the lease is collected, possibly on another thread in the
-        # middle of a GC pass: it must never wait for the store's lock (see _release_pins).
-        self._finalizer = weakref.finalize(self, store._release_pins, self.block_hashes)
+        # middle of a GC pass: it must never wait for the store's lock (see release_pins).
+        self._finalizer = weakref.finalize(self, pins.release_pins, self.block_hashes)
 
     def release(self) -> None:
         """Unpin; calling it again does nothing."""
@@ -108,3 +118,8 @@ class StoreStats:
     store_failures: Counter = field(default_factory=Counter)  # by reason (DISK full, I/O error)
     loaded_blocks: Counter = field(default_factory=Counter)  # by source medium
     computed_tokens: int = 0  # prompt tokens the engine prefilled after the cached prefix (set by connectors)
+    ttft_saved_s: float | None = None
+    """Prefill seconds the cache saved, as a connector estimates them; ``None`` until one
+    does. A hook: no kvtier connector estimates it yet (metrics, the dashboard and ``kvtier
+    stats`` show it when set). Both connector counts go through
+    ``TieredStore.record_computed_tokens`` (under the store's lock)."""

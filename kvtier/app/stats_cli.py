@@ -72,7 +72,7 @@ def read_data_dir(data_dir: str | os.PathLike) -> dict[str, Any]:
 
     import lmdb
 
-    from kvtier.records import HEADER_NBYTES, parse_record_header
+    from kvtier.records import HEADER_NBYTES, parse_header
     from kvtier.tiers.disk import record_footprint
 
     path = Path(data_dir).expanduser() / "disk"
@@ -97,7 +97,7 @@ def read_data_dir(data_dir: str | os.PathLike) -> dict[str, Any]:
             bad = 0
             with env.begin(buffers=True) as txn:
                 for _, value in txn.cursor():
-                    header = parse_record_header(value)
+                    header = parse_header(value)
                     if header is None or len(value) != HEADER_NBYTES + header.payload_nbytes:
                         bad += 1
                         continue

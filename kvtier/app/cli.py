@@ -1,4 +1,4 @@
-"""Command line: ``kvtier <command>`` (console script ``kvtier = kvtier.cli:main``).
+"""Command line: ``kvtier <command>`` (console script ``kvtier = kvtier.app.cli:main``).
 
 Commands:
     demo    multi-turn ShareGPT chats with and without kvtier: TTFT, hits per tier, identity.
@@ -7,6 +7,9 @@ Commands:
 
 Store options (``--gpu-bytes`` ... ``--flush-on-close``) map one to one onto
 :class:`kvtier.config.StoreConfig` fields and their ``KVTIER_*`` environment variables.
+
+Every command imports its work inside its body, so ``kvtier --help``, ``--version`` and each
+command's ``--help`` import neither torch nor the store (checked by tests/test_app_layer.py).
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from typing import Any
 import click
 
 from kvtier import __version__
+from kvtier.app.models import MODEL_NAMES
 from kvtier.config import config_from_cli, config_options
-from kvtier.models import MODEL_NAMES
 
 
 @click.group()
@@ -83,9 +86,9 @@ def demo(**kwargs: Any) -> None:
     """
     from rich.console import Console
 
-    from kvtier.demo import run_demo
-    from kvtier.models import ModelNotInstalledError
-    from kvtier.sharegpt import DatasetNotInstalledError
+    from kvtier.app.demo import run_demo
+    from kvtier.app.models import ModelNotInstalledError
+    from kvtier.app.sharegpt import DatasetNotInstalledError
 
     options = _demo_options(kwargs)
     try:
@@ -139,7 +142,7 @@ def serve(**kwargs: Any) -> None:
 
 
 def _demo_options(kwargs: dict[str, Any]) -> "Any":
-    from kvtier.demo import DemoOptions
+    from kvtier.app.demo import DemoOptions
 
     names = ("model", "num_conversations", "num_turns", "max_new_tokens", "max_message_tokens",
              "max_prompt_tokens")
@@ -151,7 +154,7 @@ def _demo_options(kwargs: dict[str, Any]) -> "Any":
 
 
 class _Progress:
-    """``progress(total) -> on_turn`` for :func:`kvtier.demo.run_demo`: a rich progress bar."""
+    """``progress(total) -> on_turn`` for :func:`kvtier.app.demo.run_demo`: a rich progress bar."""
 
     def __init__(self, console: Any) -> None:
         self.console = console
@@ -179,7 +182,7 @@ class _Progress:
 def _print_report(report: Any, console: Any, total_s: float) -> None:
     from rich.table import Table
 
-    from kvtier.demo import GOAL_FIRST_TURN_MAX_RATIO, GOAL_MAX_RATIO, GOAL_MIN_CACHED_TOKENS
+    from kvtier.app.demo import GOAL_FIRST_TURN_MAX_RATIO, GOAL_MAX_RATIO, GOAL_MIN_CACHED_TOKENS
 
     table = Table(title=f"kvtier demo: {report.model_id}, history = {report.options.history}")
     for name in ("conv", "turn", "prompt tok", "cached tok (tier)", "TTFT without", "TTFT with", "speedup",
@@ -247,7 +250,7 @@ def _goal_line(what: str, turns: list[Any], max_ratio: float) -> str:
 
 
 def _median(values: list[float]) -> float | None:
-    from kvtier.demo import percentile
+    from kvtier.app.demo import percentile
 
     return percentile(values, 50)
 
@@ -260,7 +263,7 @@ def _x(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
 
 
-from kvtier.stats_cli import stats as _stats  # noqa: E402  (kvtier stats)
+from kvtier.app.stats_cli import stats as _stats  # noqa: E402  (kvtier stats)
 
 main.add_command(_stats)
 

@@ -40,8 +40,8 @@ import torch
 
 from kvtier.config import StoreConfig
 from kvtier.connectors.hf import HFConnector, cache_kwarg
-from kvtier.models import ModelName, load_model, render_chat, smollm2_installed
-from kvtier.sharegpt import Conversation, select_conversations
+from kvtier.app.models import ModelName, load_model, render_chat, smollm2_installed
+from kvtier.app.sharegpt import Conversation, select_conversations
 
 logger = logging.getLogger(__name__)
 
@@ -198,8 +198,8 @@ class DemoReport:
         Path(path).write_text(json.dumps(self.summary(), indent=2) + "\n")
 
     def write_plot(self, path: str | Path) -> Path:
-        """TTFT per turn without and with kvtier as a PNG (:func:`kvtier.plots.plot_demo`)."""
-        from kvtier.plots import plot_demo
+        """TTFT per turn without and with kvtier as a PNG (:func:`kvtier.app.plots.plot_demo`)."""
+        from kvtier.app.plots import plot_demo
 
         return plot_demo(self.summary(), path)
 
@@ -393,7 +393,7 @@ def run_demo(
         try:
             disk_before = len(connector.store.disk) if connector.store.disk is not None else 0
             if console is not None:
-                console.print(_start_lines(options, config, model_id, conversations, skipped, disk_before))
+                console.print(_start_lines(options, config, model_id, conversations, skipped, disk_before, connector.store.pools))
             warm_up(model)
             load_s = time.perf_counter() - t_load
             load_before = _load_average()
@@ -419,9 +419,10 @@ def _load_average() -> float:
 
 def _start_lines(
     options: DemoOptions, config: StoreConfig, model_id: str, conversations: list[Conversation],
-    skipped: int, disk_blocks: int,
+    skipped: int, disk_blocks: int, pools: list,
 ) -> str:
-    gpu_note = "" if torch.cuda.is_available() else " (no CUDA: the GPU pool sits in host memory)"
+    # the store's pools as they are: without CUDA there is no GPU pool (its budget joins CPU)
+    memory = ", ".join(f"{p.medium} {p.capacity_bytes >> 20} MiB ({p.device})" for p in pools)
     history = "the model's own replies" if options.history == "model" else "the dataset's replies"
     return (
         f"model {model_id}; {len(conversations)} ShareGPT conversations x {options.num_turns} turns "
@@ -429,7 +430,7 @@ def _start_lines(
         + (f" or history < {options.min_history_tokens}" if options.min_history_tokens else "")
         + f"; messages cut to {options.max_message_tokens} tokens); history = {history}; "
         f"greedy, {options.max_new_tokens} new tokens per turn; {torch.get_num_threads()} torch threads\n"
-        f"store: GPU {config.gpu_bytes >> 20} MiB{gpu_note}, CPU {config.cpu_bytes >> 20} MiB, "
+        f"store: {memory}, "
         f"DISK {config.disk_bytes >> 20} MiB at {config.data_dir / 'disk'} "
         f"({disk_blocks} blocks there from earlier runs); block_size {config.block_size}"
     )

@@ -191,13 +191,13 @@ def select_conversations(
 
     Args:
         tokenizer: a transformers tokenizer (chat template optional, see
-            :func:`kvtier.models.render_chat`).
+            :func:`kvtier.app.models.render_chat`).
         conversations: the pool (default: the packaged ShareGPT file).
 
     Returns:
         ``(conversations, skipped)``; fewer than ``num`` when the pool runs out.
     """
-    from kvtier.models import truncate_tokens
+    from kvtier.app.models import truncate_tokens
 
     pool = shuffled_eligible(
         conversations if conversations is not None else read_conversations(), num_turns, seed
@@ -221,7 +221,7 @@ def select_conversations(
 
 def _last_prompt_tokens(tokenizer: Any, turns: Conversation, model_reply_tokens: int | None) -> tuple[int, int]:
     """Tokens of the last turn's prompt and of its history (all before the last user message)."""
-    from kvtier.models import render_chat, truncate_tokens
+    from kvtier.app.models import render_chat, truncate_tokens
 
     messages: list[dict[str, str]] = []
     for user, reply in turns[:-1]:

@@ -22,9 +22,10 @@ from __future__ import annotations
 import importlib.util
 import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:  # torch is imported when a model loads, so `kvtier --help` does not pay for it
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +66,12 @@ def smollm2_installed() -> bool:
     return smollm2_dir() is not None
 
 
-def load_model(name: ModelName = "smollm2", dtype: torch.dtype = torch.float32) -> tuple[Any, Any, str]:
+def load_model(name: ModelName = "smollm2", dtype: torch.dtype | None = None) -> tuple[Any, Any, str]:
     """Load a model by demo name.
 
     Args:
         name: ``"smollm2"`` or ``"tiny-llama"``.
-        dtype: parameter (and so K/V) dtype.
+        dtype: parameter (and so K/V) dtype; ``None``: ``torch.float32``.
 
     Returns:
         ``(model, tokenizer, model_id)``; the model in eval mode on the CPU, ``model_id`` the
@@ -82,7 +83,10 @@ def load_model(name: ModelName = "smollm2", dtype: torch.dtype = torch.float32) 
     """
     if name not in MODEL_NAMES:
         raise ValueError(f"expected a model name in {MODEL_NAMES}, got {name!r}")
+    import torch
     from transformers.utils import logging as hf_logging
+
+    dtype = torch.float32 if dtype is None else dtype
 
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # the GGUF de-quantization bar; callers draw their own
@@ -122,6 +126,7 @@ def _load_smollm2(dtype: torch.dtype) -> tuple[Any, Any, str]:
 
 
 def _load_tiny_llama(dtype: torch.dtype, seed: int = 0) -> tuple[Any, Any, str]:
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = load_smollm2_tokenizer() if smollm2_installed() else byte_tokenizer()

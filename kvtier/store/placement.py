@@ -1,0 +1,242 @@
+"""Placement: where a block lives in the local tiers, and making room (eviction and spill).
+
+Tiers, top first: the memory pools (``pools[0]`` is the top pool: loads land there and stores
+start there), then DISK. Eviction is segmented LRU per tier (:mod:`kvtier.tiers.lru`),
+skipping pinned and pending blocks (:mod:`kvtier.store.residency`). Blocks of one request are
+touched tail first, so a request's tail is evicted before its head and a shared prefix goes
+last (vLLM's free-block queue; LMCache issue 1116). Under ``write_back`` victims spill one
+tier down (pool -> next pool -> DISK, batched into LMDB transactions of ~64 MiB) unless that
+tier already holds them; DISK victims are dropped. Every method expects the store's lock held.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Sequence
+
+import torch
+
+from kvtier.config import StoreConfig
+from kvtier.store.residency import Residency
+from kvtier.store.results import StoreStats
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.pool import BlockPool
+from kvtier.types import BlockHash, KVSpec, Medium
+
+logger = logging.getLogger(__name__)
+
+DISK_TXN_BYTES = 64 << 20
+"""Blocks per LMDB write transaction when spilling: one transaction per ~64 MiB. Far larger
+transactions make LMDB spill its own dirty-page list (about 512 MiB of pages) and slow down."""
+
+
+class Placement:
+    """The local tiers of one store and the policy that moves blocks between them.
+
+    Args:
+        spec: block shape and dtype.
+        namespace: written into every DISK record.
+        write_policy: ``"write_back"`` or ``"write_through"`` (see kvtier.config).
+        pools: memory pools, top first.
+        disk: the DISK tier, or ``None``.
+        residency: pins and pending slots (never evicted).
+        stats: counters of evictions, spills and failed spills.
+    """
+
+    def __init__(
+        self, spec: KVSpec, namespace: bytes, write_policy: str, pools: list[BlockPool], disk: DiskTier | None,
+        residency: Residency, stats: StoreStats,
+    ) -> None:
+        self.spec, self.namespace, self.write_policy = spec, namespace, write_policy
+        self.pools, self.disk = pools, disk
+        self._residency, self._stats = residency, stats
+        self.wait_for_writes: Callable[[], bool] = lambda: False
+        """Set by the store: wait for background writes (whose pins may stand in the way of
+        an eviction) and return whether there were any."""
+
+    # -- where blocks are --------------------------------------------------------------------
+    @property
+    def top(self) -> BlockPool:
+        """The pool loads land in and stores start from."""
+        if not self.pools:
+            raise RuntimeError("store has no memory pool; loads need one")
+        return self.pools[0]
+
+    def pool(self, medium: Medium) -> BlockPool | None:
+        return next((p for p in self.pools if p.medium is medium), None)
+
+    def medium_of(self, block_hash: BlockHash) -> Medium | None:
+        """Fastest medium holding a published copy of ``block_hash``, else ``None``."""
+        for pool in self.pools:
+            if block_hash in pool and not self._residency.is_pending(pool.medium, block_hash):
+                return pool.medium
+        if self.disk is not None and block_hash in self.disk:
+            return Medium.DISK
+        return None
+
+    def local_prefix(self, block_hashes: Sequence[BlockHash]) -> list[Medium]:
+        """Medium of each leading block held by some local tier."""
+        media: list[Medium] = []
+        for h in block_hashes:
+            medium = self.medium_of(h)
+            if medium is None:
+                break
+            media.append(medium)
+        return media
+
+    def touch_tail_first(self, block_hashes: Sequence[BlockHash], new: frozenset = frozenset()) -> None:
+        """A use of ``block_hashes`` (``new`` ones only move to the recent end of probation),
+        in reverse order, so the head of a request is the last of it to be evicted."""
+        tiers = [*self.pools, *([self.disk] if self.disk is not None else [])]
+        for h in reversed(block_hashes):
+            for tier in tiers:
+                if h in tier:
+                    tier.refresh(h) if h in new else tier.touch(h)
+
+    def below_has(self, index: int, block_hash: BlockHash) -> bool:
+        """Whether a tier below ``pools[index]`` holds ``block_hash``."""
+        return any(block_hash in p for p in self.pools[index + 1 :]) or (
+            self.disk is not None and block_hash in self.disk
+        )
+
+    # -- eviction ----------------------------------------------------------------------------
+    def make_room(self, index: int, num_blocks: int) -> None:
+        """Evict from ``pools[index]`` until ``num_blocks`` slots are free (or nothing more
+        is evictable); victims spill down in one batch."""
+        self._residency.drain()
+        pool = self.pools[index]
+        missing = num_blocks - pool.num_free
+        if missing <= 0:
+            return
+        victims = self._victims(pool, missing)
+        # Background writes (REMOTE puts, write-through) pin their sources: wait for them
+        # (each bounded by its tier's timeout) rather than refuse the store.
+        if len(victims) < missing and self.wait_for_writes():
+            victims = self._victims(pool, missing)
+        if self.write_policy == "write_back":
+            spill = victims
+        else:
+            spill = [h for h in victims if not self.below_has(index, h)]
+        self.write_down(index, spill)
+        # The head of a request being stored is never dropped to make room for its own tail
+        # (a request larger than every tier keeps its head: the part a later prompt can hit).
+        victims = [h for h in victims if not self._residency.is_protected(h) or self.below_has(index, h)]
+        for h in victims:
+            pool.free(h, evicted=True)
+        self._stats.evicted_blocks[pool.medium] += len(victims)
+
+    def _victims(self, pool: BlockPool, num_blocks: int) -> list[BlockHash]:
+        victims = []
+        for h in pool.lru_order():
+            if len(victims) >= num_blocks:
+                break
+            if self._residency.evictable(pool.medium, h):
+                victims.append(h)
+        return victims
+
+    def disk_room(self, num_blocks: int) -> list[BlockHash] | None:
+        """DISK victims whose eviction makes room for ``num_blocks`` more records, or
+        ``None`` when not even evicting everything unpinned would do."""
+        assert self.disk is not None
+        size = self.disk.footprint(self.spec.block_nbytes)
+        need, free = size * num_blocks, self.disk.free_bytes
+        victims: list[BlockHash] = []
+        for h in self.disk.lru_order():
+            if free >= need:
+                break
+            if self._residency.evictable(Medium.DISK, h) and not self._residency.is_protected(h):
+                victims.append(h)
+                free += self.disk.footprint_of(h)
+        return victims if free >= need else None
+
+    def evict_from_disk(self, victims: list[BlockHash]) -> None:
+        """Delete ``victims`` (from :meth:`disk_room`) now, while they are known unpinned."""
+        assert self.disk is not None
+        if victims:
+            self.disk.write_batch([], deletes=victims)
+            self._stats.evicted_blocks[Medium.DISK] += len(victims)
+
+    # -- spills ------------------------------------------------------------------------------
+    def write_down(self, index: int, block_hashes: list[BlockHash]) -> None:
+        """Copy blocks of ``pools[index]`` into the next tier down (the next pool, else
+        DISK), skipping those it already holds; blocks that find no room there are dropped."""
+        pool = self.pools[index]
+        if index + 1 == len(self.pools):
+            if self.disk is not None:
+                self.spill_to_disk(pool, [h for h in block_hashes if h not in self.disk])
+            return
+        below = self.pools[index + 1]
+        todo = [h for h in block_hashes if h not in below]
+        self._residency.pin(todo)  # the sources must survive the evictions below
+        try:
+            self.make_room(index + 1, len(todo))
+        finally:
+            self._residency.unpin(todo)
+        for h in todo:
+            below_id = below.allocate(h)
+            if below_id is None:
+                break
+            below.tensor[below_id].copy_(pool.tensor[pool.block_id(h)])
+            self._stats.spilled_blocks[below.medium] += 1
+
+    def spill_to_disk(self, pool: BlockPool, block_hashes: list[BlockHash]) -> None:
+        """Write blocks of ``pool`` to DISK, batched into LMDB transactions of ~64 MiB
+        (evicting DISK victims in the first); keeps the newest that fit."""
+        if not block_hashes or self.disk is None:
+            return
+        victims = self.disk_room(len(block_hashes))
+        while victims is None and block_hashes:
+            block_hashes = block_hashes[1:]
+            victims = self.disk_room(len(block_hashes))
+        if not block_hashes:
+            return
+        batch = max(1, DISK_TXN_BYTES // self.spec.block_nbytes)
+        for start in range(0, len(block_hashes), batch):
+            puts = []
+            for h in block_hashes[start : start + batch]:
+                block = pool.tensor[pool.block_id(h)]
+                puts.append((h, self.namespace, block if block.device.type == "cpu" else block.cpu()))
+            try:
+                ok = self.disk.write_batch(puts, deletes=victims if start == 0 else ())
+            except Exception as exc:  # never into the inference loop: the blocks are just not on DISK
+                logger.warning("DISK spill of %d blocks failed: %r", len(puts), exc)
+                ok, reason = [False] * len(puts), "error"
+            else:
+                reason = "full"
+            self._stats.spilled_blocks[Medium.DISK] += sum(ok)
+            self._stats.store_failures[reason] += len(ok) - sum(ok)
+        self._stats.evicted_blocks[Medium.DISK] += len(victims)
+
+    def flush_to_disk(self) -> None:
+        """Write every published block held only in memory down to DISK, oldest first."""
+        if self.disk is None:
+            return
+        for pool in reversed(self.pools):
+            only_here = [
+                h for h in pool.lru_order()
+                if not self._residency.is_pending(pool.medium, h) and h not in self.disk
+            ]
+            self.spill_to_disk(pool, only_here)
+
+
+def make_pools(
+    spec: KVSpec, config: StoreConfig, device: torch.device | str | None, emulate_gpu: bool = False
+) -> list[BlockPool]:
+    """The memory pools, top first, named by where they live.
+
+    A GPU pool (``config.gpu_bytes``) is built only on a non-CPU ``device`` (default: ``cuda``
+    when available). On a CPU device its budget joins the CPU pool, which is then the top
+    pool: no tier is called GPU where there is no GPU, and the host memory used is the same
+    as the config asks for. ``emulate_gpu`` builds the GPU pool on the CPU device anyway (a
+    two-pool hierarchy for tests and benchmarks without CUDA; ``pool.device`` says cpu).
+    """
+    cuda = torch.cuda.is_available()
+    device = torch.device(device if device is not None else ("cuda" if cuda else "cpu"))
+    gpu_pool = config.gpu_bytes > 0 and (device.type != "cpu" or emulate_gpu)
+    cpu_bytes = config.cpu_bytes + (0 if gpu_pool else config.gpu_bytes)
+    pools = []
+    if gpu_pool:
+        pools.append(BlockPool(Medium.GPU, spec, config.gpu_bytes, device))
+    if cpu_bytes:
+        pools.append(BlockPool(Medium.CPU, spec, cpu_bytes, "cpu", pin_memory=cuda))
+    return pools

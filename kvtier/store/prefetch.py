@@ -1,0 +1,295 @@
+"""Prefetch: pull a request's cached prefix up into the top pool while the engine does other
+work, then hand it over as a :class:`~kvtier.store.results.LoadResult`.
+
+Steps (all index changes under the store's lock; the copies outside it):
+
+1. :meth:`Prefetcher.plan` takes the chain the lookup walked (:mod:`kvtier.store.lookup`),
+   pins it (a lease), reserves a top-pool slot for every block not already there (pending:
+   invisible to lookups, never evicted) and, for a DISK or REMOTE block when the top pool is
+   on CUDA, a CPU slot to stage it in; then submits DISK and REMOTE reads, split over the I/O
+   threads, and one CPU->GPU copy job for blocks already in the CPU slab.
+2. :meth:`PrefetchHandle.wait` waits for the reads, sends the staged blocks CPU->GPU, waits
+   for the copies, then publishes every block that arrived and frees the slots of those that
+   did not (a corrupt DISK record is dropped and counted). The result is the prefix up to the
+   first failed block: a failure is a miss for that block and everything after it.
+3. A handle dropped without ``wait()`` (a cancelled request) waits for its jobs and frees its
+   slots from its finalizer (deferred if the lock is busy: see :mod:`kvtier.store.residency`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable, Sequence
+
+from kvtier.store.placement import Placement
+from kvtier.store.residency import Residency
+from kvtier.store.results import Lease, LoadResult, StoreStats
+from kvtier.transfer.engine import JobResult, TransferEngine, TransferJob
+from kvtier.types import BlockHash, Medium
+
+
+@dataclass(slots=True)
+class BlockPlan:
+    """One block of a prefetch: where it is, where it goes."""
+
+    block_hash: BlockHash
+    source: Medium
+    top_id: int
+    staging_id: int | None = None  # CPU slot for DISK/REMOTE -> CPU -> GPU
+    ok: bool = True
+    reason: str | None = None
+
+
+@dataclass
+class PrefetchHandle:
+    """An in-flight load of a cached prefix into the top pool (from :meth:`TieredStore.prefetch`).
+
+    Attributes:
+        lease: pins on the prefix until :meth:`wait` hands them over.
+        read_jobs: DISK/REMOTE read job ids -> indices of their blocks.
+        copy_jobs: pool-to-top copy job ids -> indices of their blocks.
+        read_seconds: submit-to-done time of the slowest read job (set once the reads are waited).
+    """
+
+    prefetcher: "Prefetcher"
+    plans: list[BlockPlan]
+    lease: Lease
+    read_jobs: dict[int, list[int]] = field(default_factory=dict)
+    copy_jobs: dict[int, list[int]] = field(default_factory=dict)
+    submitted_at: float = field(default_factory=time.perf_counter)
+    read_seconds: float = 0.0
+    _result: LoadResult | None = None
+    _staged: bool = False
+    _abandon: Any = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks being loaded (the hit prefix, as far as top-pool slots allowed)."""
+        return len(self.plans)
+
+    @property
+    def block_ids(self) -> list[int]:
+        """``[num_blocks]`` slots in ``store.top.tensor`` the prefix is loaded into, in
+        request order. Read a layer of them only after :meth:`wait_layer` (or :meth:`wait`);
+        :meth:`wait`'s ``LoadResult.block_ids`` is the leading part that arrived."""
+        return [b.top_id for b in self.plans]
+
+    def done(self) -> bool:
+        """True when the transfers submitted so far finished (``wait`` then only has to
+        send DISK blocks staged in the CPU slab on to the GPU)."""
+        return self._result is not None or self.prefetcher.engine.done([*self.read_jobs, *self.copy_jobs])
+
+    def wait(self) -> LoadResult:
+        """Block until the prefix is in the top pool; returns it (idempotent)."""
+        with self._lock:
+            if self._result is None:
+                self._stage()
+                self._apply(self.prefetcher.engine.wait(self.copy_jobs), self.copy_jobs)
+                self._result = self.prefetcher.publish(self)
+            return self._result
+
+    def wait_layer(self, layer: int) -> None:
+        """Make ``layer`` of every block usable before the whole prefix is in. On CUDA the
+        current stream waits for that layer's copy event (no host sync: SGLang HiCache's
+        per-layer readiness); elsewhere copies are synchronous and this is :meth:`wait`.
+        Call :meth:`wait` afterwards for the result and the lease."""
+        with self._lock:
+            if self._result is None:
+                self._stage()
+        engine = self.prefetcher.engine
+        per_layer = [engine.events(job_id) for job_id in self.copy_jobs]
+        if not per_layer or any(events is None or len(events) <= layer for events in per_layer):
+            self.wait()
+            return
+        import torch
+
+        stream = torch.cuda.current_stream(self.prefetcher.placement.top.tensor.device)
+        for events in per_layer:
+            stream.wait_event(events[layer])
+
+    def _stage(self) -> None:
+        """Wait for the DISK reads, then send blocks staged in the CPU slab on to the GPU."""
+        if self._staged:
+            return
+        self._staged = True
+        engine = self.prefetcher.engine
+        reads = engine.wait(self.read_jobs)
+        self.read_seconds = max((r.seconds for r in reads.values()), default=0.0)
+        self._apply(reads, self.read_jobs)
+        staged = [i for i, b in enumerate(self.plans) if b.staging_id is not None and b.ok]
+        if staged:
+            placement = self.prefetcher.placement
+            cpu, top = placement.pool(Medium.CPU), placement.top
+            job = TransferJob(
+                cpu.medium, top.medium, [self.plans[i].block_hash for i in staged],
+                src_ids=[self.plans[i].staging_id for i in staged], dst_ids=[self.plans[i].top_id for i in staged],
+            )
+            self.copy_jobs[engine.submit(job)] = staged
+
+    def _apply(self, results: dict[int, JobResult], jobs: dict[int, list[int]]) -> None:
+        """Mark failed blocks; a job with no result (the store closed under it) fails whole."""
+        for job_id, indices in jobs.items():
+            result = results.get(job_id)
+            for k, index in enumerate(indices):
+                if (result is None or not result.ok[k]) and self.plans[index].ok:
+                    self.plans[index].ok = False
+                    self.plans[index].reason = "cancelled" if result is None else result.reasons.get(k, "error")
+
+
+class Prefetcher:
+    """Plans, submits and publishes prefetches for one store.
+
+    Args:
+        placement: the local tiers (slots, room, DISK records to drop).
+        residency: the store's lock, pins and pending slots.
+        engine: runs the reads and copies.
+        stats: counts loads and load failures.
+        num_io_threads: DISK/REMOTE reads are split into this many jobs.
+        observe: ``observe(op, t0)``: the store's latency hook, called with ``"load"``.
+    """
+
+    def __init__(
+        self, placement: Placement, residency: Residency, engine: TransferEngine, stats: StoreStats,
+        num_io_threads: int, observe: Callable[[str, float], None],
+    ) -> None:
+        self.placement, self.engine = placement, engine
+        self._residency, self._stats = residency, stats
+        self._num_io_threads, self._observe = num_io_threads, observe
+
+    def plan(self, block_hashes: Sequence[BlockHash], media: Sequence[Medium]) -> PrefetchHandle:
+        """Step 1 (the caller holds the store's lock). ``media``: what the lookup walk found
+        for the leading blocks (a REMOTE block was found outside the lock); each block's
+        medium is looked up again here, since the lock was let go in between."""
+        chain = self._chain(block_hashes, media)
+        # A load never holds more than the top pool: pin only the head that fits, so that the
+        # chain's own tail (resident in the top pool after a long store) can make room for it.
+        top = self.placement.top
+        chain = chain[: top.num_blocks]
+        lease = self._residency.lease([h for h, _ in chain])
+        self.placement.make_room(0, sum(1 for _, m in chain if m is not top.medium))
+        plans = self._reserve(chain)
+        if len(plans) < len(chain):
+            shorter = self._residency.lease([b.block_hash for b in plans])
+            lease.release()
+            lease = shorter
+        handle = PrefetchHandle(self, plans, lease)
+        self._submit(handle)
+        # Dropped without wait() (the request was cancelled): wait its jobs and free its slots.
+        handle._abandon = weakref.finalize(
+            handle, self._residency.defer_or_run,
+            partial(self._cancel, plans, [*handle.read_jobs, *handle.copy_jobs], lease),
+        )
+        return handle
+
+    def _chain(self, block_hashes: Sequence[BlockHash], media: Sequence[Medium]) -> list[tuple[BlockHash, Medium]]:
+        """The walked prefix as it stands now: ends at a block gone since the walk, at one
+        another request is bringing into the top pool, or at a repeat."""
+        top = self.placement.top
+        chain: list[tuple[BlockHash, Medium]] = []
+        seen: set[BlockHash] = set()
+        for h, walked in zip(block_hashes, media):
+            medium = self.placement.medium_of(h)
+            if medium is None and walked is Medium.REMOTE:
+                medium = Medium.REMOTE
+            if medium is None or self._residency.is_pending(top.medium, h) or h in seen:
+                break
+            seen.add(h)
+            chain.append((h, medium))
+        return chain
+
+    def _reserve(self, chain: list[tuple[BlockHash, Medium]]) -> list[BlockPlan]:
+        """Top-pool slots (and CPU staging slots) for ``chain``, pending; stops at the first
+        block that gets none."""
+        placement, residency = self.placement, self._residency
+        top, cpu = placement.top, placement.pool(Medium.CPU)
+        stage_on_cpu = top.tensor.device.type != "cpu"
+        plans: list[BlockPlan] = []
+        for h, medium in chain:
+            if medium is top.medium:
+                plans.append(BlockPlan(h, medium, top.block_id(h)))
+                continue
+            staging_id = None
+            if medium in (Medium.DISK, Medium.REMOTE) and stage_on_cpu:
+                if cpu is None:
+                    break  # DISK and REMOTE reads land in host memory; without a CPU slab, stop here
+                placement.make_room(placement.pools.index(cpu), 1)
+                staging_id = cpu.allocate(h)
+                if staging_id is None:
+                    break
+                residency.add_pending(Medium.CPU, h)
+            top_id = top.allocate(h)
+            if top_id is None:
+                if staging_id is not None:
+                    residency.free_pending(cpu, [h])
+                break
+            residency.add_pending(top.medium, h)
+            plans.append(BlockPlan(h, medium, top_id, staging_id))
+        return plans
+
+    def _submit(self, handle: PrefetchHandle) -> None:
+        top, plans = self.placement.top, handle.plans
+        dst = Medium.CPU if top.tensor.device.type != "cpu" else top.medium
+        for source in (Medium.DISK, Medium.REMOTE):
+            reads = [i for i, b in enumerate(plans) if b.source is source]
+            if not reads:
+                continue
+            num_jobs = min(len(reads), self._num_io_threads)
+            for part in (reads[k::num_jobs] for k in range(num_jobs)):
+                ids = [plans[i].staging_id if dst is not top.medium else plans[i].top_id for i in part]
+                job = TransferJob(source, dst, [plans[i].block_hash for i in part], dst_ids=ids)
+                handle.read_jobs[self.engine.submit(job)] = part
+        copies = [i for i, b in enumerate(plans) if b.source not in (top.medium, Medium.DISK, Medium.REMOTE)]
+        if copies:
+            src = self.placement.pool(plans[copies[0]].source)
+            job = TransferJob(
+                src.medium, top.medium, [plans[i].block_hash for i in copies],
+                src_ids=[src.block_id(plans[i].block_hash) for i in copies],
+                dst_ids=[plans[i].top_id for i in copies],
+            )
+            handle.copy_jobs[self.engine.submit(job)] = copies
+
+    def publish(self, handle: PrefetchHandle) -> LoadResult:
+        """Step 2's bookkeeping, under the store's lock: the prefix up to the first failure."""
+        with self._residency.lock:
+            if handle._abandon is not None:
+                handle._abandon.detach()
+            top, placement, stats = self.placement.top, self.placement, self._stats
+            for b in handle.plans:
+                moved = b.source is not top.medium
+                for medium, in_flight in ((top.medium, moved), (Medium.CPU, b.staging_id is not None)):
+                    if in_flight:
+                        if b.ok:
+                            self._residency.end_pending(medium, b.block_hash)
+                        else:
+                            self._residency.free_pending(placement.pool(medium), [b.block_hash])
+                if not b.ok:
+                    stats.load_failures[b.reason or "error"] += 1
+                    stats.load_failures_by_tier[(str(b.source), b.reason or "error")] += 1
+                    if b.source is Medium.DISK and b.reason in ("corrupt", "missing") and placement.disk is not None:
+                        placement.disk.remove([b.block_hash])  # never claim it again
+            num_ok = next((i for i, b in enumerate(handle.plans) if not b.ok), len(handle.plans))
+            loaded = handle.plans[:num_ok]
+            for b in loaded:
+                stats.loaded_blocks[b.source] += 1
+            hashes = [b.block_hash for b in loaded]
+            placement.touch_tail_first(hashes)
+            lease = self._residency.lease(hashes)
+            handle.lease.release()
+            self._observe("load", handle.submitted_at)
+            return LoadResult([b.top_id for b in loaded], [b.source for b in loaded], lease)
+
+    def _cancel(self, plans: list[BlockPlan], job_ids: list[int], lease: Lease) -> None:
+        """Clean up an abandoned prefetch (the caller holds the store's lock)."""
+        self.engine.wait(job_ids)
+        top, cpu = self.placement.top, self.placement.pool(Medium.CPU)
+        for b in plans:
+            if b.source is not top.medium:
+                self._residency.free_pending(top, [b.block_hash])
+            if b.staging_id is not None and cpu is not None:
+                self._residency.free_pending(cpu, [b.block_hash])
+        lease.release()

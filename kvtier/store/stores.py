@@ -1,0 +1,142 @@
+"""The store path: new blocks into the top pool (prepare -> the caller writes -> complete).
+
+``prepare`` reserves top-pool slots (pending: pinned, invisible to lookups); the caller
+writes ``top.tensor[handle.block_ids]``; ``complete`` publishes them (a store counts as a use,
+tail first: case E1), starts the background writes (write-through, REMOTE put), or frees the
+slots when the write failed. A handle dropped without ``complete`` frees its slots from its
+finalizer. ``store_with`` runs both steps in chunks of half the top pool, so that a request
+longer than the top pool still goes through (earlier chunks spill down); the chunks already
+stored are protected from being dropped, so a request larger than every tier keeps its head
+(what a later prompt can hit), not its tail.
+"""
+
+from __future__ import annotations
+
+import weakref
+from functools import partial
+from typing import Callable, Sequence
+
+from kvtier.store.placement import Placement
+from kvtier.store.residency import Residency
+from kvtier.store.results import StoreHandle, StoreStats
+from kvtier.store.writes import BackgroundWrites
+from kvtier.types import BlockHash
+
+WriteFn = Callable[[list[int], list[int]], None]
+"""``write(indices, block_ids)``: copy request blocks ``indices`` into ``top.tensor[block_ids]``."""
+
+
+class StorePath:
+    """Prepares, completes and chunks the stores of one store.
+
+    Args:
+        placement: the local tiers (top-pool slots, room).
+        residency: the store's lock, pins, pending slots, protected blocks.
+        writes: write-through and REMOTE puts started on completion.
+        stats: counts stored blocks.
+        check_open: raises ``RuntimeError`` when the store is closed (called under the lock).
+    """
+
+    def __init__(
+        self, placement: Placement, residency: Residency, writes: BackgroundWrites, stats: StoreStats,
+        check_open: Callable[[], None],
+    ) -> None:
+        self._placement, self._residency, self._writes = placement, residency, writes
+        self._stats, self._check_open = stats, check_open
+
+    def prepare(self, block_hashes: Sequence[BlockHash]) -> StoreHandle:
+        """Top-pool slots for the blocks of ``block_hashes`` not stored yet; stops at the
+        first block that gets no slot or that another request is writing."""
+        residency = self._residency
+        with residency.lock:
+            self._check_open()
+            self._writes.reap()
+            top = self._placement.top
+            present = residency.lease([h for h in block_hashes if h in top])  # not evicted by make_room
+            self._placement.make_room(0, sum(1 for h in block_hashes if h not in top))
+            new_hashes: list[BlockHash] = []
+            block_ids: list[int] = []
+            indices: list[int] = []
+            chain: list[BlockHash] = []  # pinned blocks of this request, in request order
+            for i, h in enumerate(block_hashes):
+                if residency.is_pending(top.medium, h):
+                    break
+                if h not in top:
+                    block_id = top.allocate(h)
+                    if block_id is None:
+                        break
+                    residency.add_pending(top.medium, h)
+                    new_hashes.append(h)
+                    block_ids.append(block_id)
+                    indices.append(i)
+                chain.append(h)
+            handle = StoreHandle(new_hashes, block_ids, indices, len(chain), residency.lease(chain))
+            handle.abandon = weakref.finalize(
+                handle, residency.defer_or_run, partial(residency.free_pending, top, new_hashes)
+            )
+            present.release()
+            return handle
+
+    def complete(self, handle: StoreHandle, success: bool = True) -> None:
+        """Publish the written blocks (or free their slots when ``success`` is False)."""
+        residency, placement = self._residency, self._placement
+        with residency.lock:
+            top = placement.top
+            if handle.abandon is not None:
+                handle.abandon.detach()
+            if not success:
+                residency.free_pending(top, handle.block_hashes)
+                handle.lease.release()
+                return
+            for h in handle.block_hashes:
+                residency.end_pending(top.medium, h)
+            self._stats.stored_blocks[top.medium] += len(handle.block_hashes)
+            placement.touch_tail_first(handle.lease.block_hashes, frozenset(handle.block_hashes))
+            if placement.write_policy == "write_through":
+                self._writes.write_through(handle.block_hashes)
+            self._writes.put_remote(handle.block_hashes)
+            handle.lease.release()
+
+    def store_with(self, block_hashes: Sequence[BlockHash], write: WriteFn) -> int:
+        """Store a request's blocks in chunks of at most half the top pool; returns the
+        leading blocks of the request now stored (an exception in ``write`` frees the
+        chunk's slots and propagates)."""
+        chunk = max(1, self._placement.top.num_blocks // 2)
+        stored = 0
+        new: set[BlockHash] = set()
+        protected: list[BlockHash] = []
+        try:
+            stored = self._store_chunks(block_hashes, write, chunk, new, protected)
+        finally:
+            self._residency.unprotect(protected)
+        with self._residency.lock:
+            if stored > chunk:  # re-order across chunks: the request's tail goes first
+                self._placement.touch_tail_first(block_hashes[:stored], frozenset(new))
+            # A request larger than every tier evicts its own head: claim only what a lookup
+            # finds (case B2: never claim more than is stored).
+            medium_of = self._placement.medium_of
+            return next((i for i, h in enumerate(block_hashes[:stored]) if medium_of(h) is None), stored)
+
+    def _store_chunks(
+        self, block_hashes: Sequence[BlockHash], write: WriteFn, chunk: int, new: set, protected: list
+    ) -> int:
+        """store_with's loop: each chunk stored is protected from being dropped while the
+        rest of the request goes in."""
+        stored = 0
+        for start in range(0, len(block_hashes), chunk):
+            handle = self.prepare(block_hashes[start : start + chunk])
+            ok = False
+            try:
+                if handle.block_ids:
+                    write([start + i for i in handle.indices], handle.block_ids)
+                ok = True
+            finally:
+                self.complete(handle, success=ok)
+            stored = start + handle.num_blocks
+            new.update(handle.block_hashes)
+            part = block_hashes[start:stored]
+            self._residency.protect(part)
+            protected.extend(part)
+            if stored < min(start + chunk, len(block_hashes)):
+                break
+        return stored

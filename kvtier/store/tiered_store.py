@@ -1,0 +1,393 @@
+"""TieredStore: one index over the memory pools (GPU, CPU), DISK and REMOTE; the store's facade.
+
+Protocol (the order every caller follows; vLLM kv_offload/abstract.py names the same steps):
+
+    lookup(block_hashes, pin=?)   -> LookupResult     longest cached prefix; no side effects
+                                                      beyond an optional pin (a Lease)
+    prefetch(block_hashes)        -> PrefetchHandle   pins the hit prefix and starts moving it
+                                                      into the top pool (DISK reads on I/O
+                                                      threads, CPU->GPU on a CUDA side stream)
+    handle.wait() / load(...)     -> LoadResult       the prefix now in top.tensor[block_ids],
+                                                      pinned; the caller gathers, then
+                                                      releases the lease
+    prepare_store(block_hashes)   -> StoreHandle      top-pool slots for new blocks, pinned
+                                                      and invisible to lookups
+    (caller writes top.tensor[handle.block_ids])
+    complete_store(handle, ok)                        publishes (or frees) them
+    store(block_hashes, blocks) / store_with(block_hashes, write)   both store steps, chunked
+
+The work is done by the modules below this one (listed in :mod:`kvtier.store`); none
+reaches into another's private names. Tiers are named by where they live: a GPU pool exists
+only on a CUDA device (see :func:`kvtier.store.placement.make_pools`).
+
+Threads: every public method takes the store's lock; transfers run outside it on slots that
+are pinned and pending until their results are consumed. REMOTE calls are never made under
+the lock.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Callable, Sequence
+
+import torch
+
+from kvtier.checks import check_block_hashes, check_namespace
+from kvtier.config import StoreConfig
+from kvtier.store.lookup import ChainLookup
+from kvtier.store.placement import Placement, make_pools
+from kvtier.store.prefetch import Prefetcher, PrefetchHandle
+from kvtier.store.residency import Residency
+from kvtier.store.results import LoadResult, LookupResult, StoreHandle, StoreStats
+from kvtier.store.stores import StorePath
+from kvtier.store.writes import BackgroundWrites
+from kvtier.tiers.backend import RemoteBackend, make_remote
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.pool import BlockPool
+from kvtier.transfer.engine import TransferEngine
+from kvtier.transfer.handlers import DiskHandler, PoolCopyHandler, RemoteHandler, slot_runs
+from kvtier.types import BlockHash, KVSpec, Medium
+
+
+class TieredStore:
+    """GPU pool -> CPU slab -> DISK -> REMOTE, one SLRU index per tier and pins across tiers.
+
+    Args:
+        spec: block shape and dtype.
+        config: capacities (bytes), policies, data directory, I/O threads.
+        namespace: 32-byte ``KeyContext.namespace()``; written into every DISK record and
+            checked on every DISK read.
+        device: device of the top pool; default ``cuda`` when available, else ``cpu``. A GPU
+            pool is built only on a non-CPU device; on ``cpu`` the ``gpu_bytes`` budget is
+            added to the CPU pool (no tier is called GPU where there is no GPU).
+        remote: the REMOTE tier (kvtier.tiers.backend); default: built from
+            ``config.remote_url`` (and closed with the store), none when that is unset. A
+            backend passed in stays the caller's to close.
+        emulate_gpu: on a ``cpu`` device, build the GPU pool in host memory anyway (labelled
+            GPU, ``pool.device`` cpu): a two-pool hierarchy for tests and benchmarks without
+            CUDA. Ignored on a CUDA device.
+
+    Raises:
+        ValueError: a capacity smaller than one block, a namespace that is not 32 bytes, a
+            REMOTE tier that knows this namespace with another block shape or dtype.
+    """
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        config: StoreConfig,
+        namespace: bytes,
+        device: torch.device | str | None = None,
+        remote: RemoteBackend | None = None,
+        emulate_gpu: bool = False,
+    ) -> None:
+        check_namespace(namespace)
+        if spec.block_size != config.block_size:
+            raise ValueError(f"expected spec.block_size == config.block_size, got {spec.block_size}, {config.block_size}")
+        self.spec, self.config, self.namespace = spec, config, namespace
+        self.pools = make_pools(spec, config, device, emulate_gpu)
+        self.disk = DiskTier(config.data_dir / "disk", config.disk_bytes) if config.disk_bytes else None
+        self.remote = self._open_remote(remote)
+        self.stats = StoreStats()
+        self.residency = Residency()
+        self.placement = Placement(spec, namespace, config.write_policy, self.pools, self.disk, self.residency, self.stats)
+        self._closed = False
+        self._lookups = ChainLookup(self.placement, self.residency, self.stats, self.remote, namespace, self._check_open)
+        self._start_io()
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (store := ref()) is not None and store._after_fork_in_child())
+        self.observe: Callable[[str, float], None] | None = None
+        """Latency hook: ``observe(op, seconds)`` after each ``lookup``, ``load`` (prefetch
+        submit to ``wait`` done) and ``store`` (``store``/``store_with``); kvtier.metrics
+        sets it to feed its histograms. Must be cheap and must not raise."""
+
+    def _open_remote(self, remote: RemoteBackend | None) -> RemoteBackend | None:
+        config = self.config
+        self._owns_remote = remote is None and config.remote_url is not None
+        if self._owns_remote:
+            remote = make_remote(config.remote_url, token=config.remote_token, timeout_s=config.remote_timeout_s)
+        if remote is not None:
+            try:
+                remote.register(self.namespace, self.spec)
+            except BaseException:
+                if self.disk is not None:
+                    self.disk.close()
+                if self._owns_remote:
+                    remote.close()
+                raise
+        return remote
+
+    def _start_io(self) -> None:
+        """I/O threads, the transfer engine and its handlers, and the parts that use them."""
+        self._executor = ThreadPoolExecutor(self.config.num_io_threads, thread_name_prefix="kvtier-io")
+        self.engine = register_handlers(TransferEngine(), self.pools, self.disk, self.remote, self.namespace, self._executor)
+        self._writes = BackgroundWrites(self.placement, self.residency, self.engine, self.stats, self.remote)
+        self.placement.wait_for_writes = partial(self._writes.reap, wait=True)
+        self._stores = StorePath(self.placement, self.residency, self._writes, self.stats, self._check_open)
+        self._prefetcher = Prefetcher(
+            self.placement, self.residency, self.engine, self.stats, self.config.num_io_threads, self._observe
+        )
+
+    # -- where blocks are --------------------------------------------------------------------
+    @property
+    def top(self) -> BlockPool:
+        """The pool loads land in and stores start from (GPU, else CPU)."""
+        return self.placement.top
+
+    def pool(self, medium: Medium) -> BlockPool | None:
+        return self.placement.pool(medium)
+
+    def medium_of(self, block_hash: BlockHash) -> Medium | None:
+        """Fastest medium holding a published copy of ``block_hash``, else ``None`` (without
+        the lock: a snapshot that may change right after)."""
+        return self.placement.medium_of(block_hash)
+
+    def on_disk(self, block_hashes: Sequence[BlockHash]) -> list[bool]:
+        """Whether each block has a committed DISK record (the daemon's durable puts)."""
+        with self.residency.lock:
+            return [self.disk is not None and h in self.disk for h in block_hashes]
+
+    def ref_cnt(self, block_hash: BlockHash) -> int:
+        """Live pins on ``block_hash``."""
+        return self.residency.ref_cnt(block_hash)
+
+    # -- lookups and loads -------------------------------------------------------------------
+    def lookup(
+        self, block_hashes: Sequence[BlockHash], pin: bool = False, request_id: str | None = None,
+        blocking: bool = True,
+    ) -> LookupResult | None:
+        """Longest prefix of ``block_hashes`` present in any tier, the REMOTE tier last (asked
+        only for the blocks after the local prefix, outside the store's lock). Touches no
+        LRU order; pins the local part when ``pin``.
+
+        Args:
+            request_id: when given, a repeated lookup for the same request (a retried
+                schedule) is not counted again in ``stats`` (case M1).
+            blocking: ``False``: return ``None`` at once if another thread holds the store's
+                lock, and never ask REMOTE (an event loop can call it inline: the daemon).
+        """
+        _check_hashes(block_hashes)
+        t0 = time.perf_counter()
+        walked = self._lookups.walk(block_hashes, request_id, pin=pin, blocking=blocking)
+        if walked is None:
+            return None
+        media, lease = walked
+        self._observe("lookup", t0)
+        return LookupResult(len(media), media, lease)
+
+    def prefetch(
+        self, block_hashes: Sequence[BlockHash], request_id: str | None = None, count: bool = True
+    ) -> PrefetchHandle:
+        """Pin the cached prefix of ``block_hashes`` and start bringing it into the top pool
+        (REMOTE blocks included: asked for first, outside the lock). Returns at once;
+        ``handle.wait()`` gives the :class:`LoadResult`. Counted as a lookup exactly as
+        :meth:`lookup` counts it; ``request_id``: see :meth:`lookup`; ``count=False``: not a
+        lookup (the daemon's get, whose lookup was counted already)."""
+        _check_hashes(block_hashes)
+        media, _ = self._lookups.walk(block_hashes, request_id, count=count)
+        with self.residency.lock:
+            self._check_open()
+            self._writes.reap()
+            return self._prefetcher.plan(block_hashes, media)
+
+    def load(self, block_hashes: Sequence[BlockHash], request_id: str | None = None, count: bool = True) -> LoadResult:
+        """``prefetch(block_hashes).wait()``: the leading cached blocks in the top pool,
+        pinned. Shorter than asked when a block is missing, corrupt or finds no slot."""
+        return self.prefetch(block_hashes, request_id, count).wait()
+
+    # -- stores ------------------------------------------------------------------------------
+    def prepare_store(self, block_hashes: Sequence[BlockHash]) -> StoreHandle:
+        """Reserve top-pool slots for the blocks of ``block_hashes`` not stored yet (pinned,
+        invisible to lookups); write ``top.tensor[handle.block_ids]``, then
+        :meth:`complete_store`. Stops at the first block that gets no slot (every candidate
+        victim pinned) or that another request is writing: blocks after a gap could never be
+        hit through the chain."""
+        _check_hashes(block_hashes)
+        return self._stores.prepare(block_hashes)
+
+    def complete_store(self, handle: StoreHandle, success: bool = True) -> None:
+        """Publish the written blocks (or free their slots when ``success`` is False)."""
+        self._stores.complete(handle, success)
+
+    def store(self, block_hashes: Sequence[BlockHash], blocks: torch.Tensor) -> int:
+        """Store ``blocks`` (``[len(block_hashes), *spec.block_shape]``, spec dtype, any
+        device) under ``block_hashes``. Returns the number of leading blocks now stored.
+
+        Raises:
+            ValueError: ``blocks`` has the wrong shape or dtype.
+        """
+        self._check_block_tensor(blocks, len(block_hashes))
+
+        def write(indices: list[int], block_ids: list[int]) -> None:
+            # One copy per run of consecutive slots (index_copy_ runs at half a plain copy's
+            # speed on CPU, and a gathered source would be a second copy).
+            top = self.top.tensor
+            for i0, b0, n in slot_runs(list(zip(indices, block_ids))):
+                top[b0 : b0 + n].copy_(blocks[i0 : i0 + n])  # synchronous: the caller may reuse `blocks`
+
+        return self.store_with(block_hashes, write)
+
+    def store_with(self, block_hashes: Sequence[BlockHash], write: Callable[[list[int], list[int]], None]) -> int:
+        """Store a request's blocks in chunks of at most half the top pool, so that a request
+        larger than the top pool still goes through it (earlier chunks spill down, tail
+        first) instead of being cut short.
+
+        Args:
+            block_hashes: the request's full blocks, in order.
+            write: ``write(indices, block_ids)`` copies request blocks ``indices`` into
+                ``top.tensor[block_ids]``; an exception frees the chunk's slots and propagates.
+
+        Returns:
+            leading blocks of the request now stored.
+        """
+        _check_hashes(block_hashes)
+        t0 = time.perf_counter()
+        stored = self._stores.store_with(block_hashes, write)
+        self._observe("store", t0)
+        return stored
+
+    def record_computed_tokens(self, num_tokens: int, ttft_saved_s: float | None = None) -> None:
+        """Count what a connector reports after a prefill, under the store's lock: the prompt
+        tokens the engine prefilled itself after the cached prefix (``stats.computed_tokens``)
+        and, when it can estimate them, the prefill seconds the cache saved
+        (``stats.ttft_saved_s``).
+
+        Raises:
+            ValueError: a negative or non-integer token count, a negative or non-finite time.
+        """
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"expected a token count >= 0, got {num_tokens!r}")
+        if ttft_saved_s is not None and not (isinstance(ttft_saved_s, (int, float)) and 0 <= ttft_saved_s < float("inf")):
+            raise ValueError(f"expected ttft_saved_s >= 0 seconds, got {ttft_saved_s!r}")
+        with self.residency.lock:
+            self.stats.computed_tokens += num_tokens
+            if ttft_saved_s is not None:
+                self.stats.ttft_saved_s = (self.stats.ttft_saved_s or 0.0) + float(ttft_saved_s)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    # (A future ``reset()`` belongs here: under the lock, reap and wait the background writes,
+    # then empty the pools, DISK and the residency state, as close() tears them down.)
+    def wait_for_writes(self) -> None:
+        """Block until background writes (write-through to DISK, puts to REMOTE) are done
+        and released."""
+        with self.residency.lock:
+            self._writes.reap(wait=True)
+
+    def flush(self) -> None:
+        """Write every block held only in memory down to DISK (oldest first), then fsync."""
+        with self.residency.lock:
+            self._writes.reap(wait=True)
+            if self.disk is None:
+                return
+            self.placement.flush_to_disk()
+            self.disk.flush()
+
+    def close(self) -> None:
+        """Flush (if ``config.flush_on_close``), stop the I/O threads, close DISK. Idempotent."""
+        with self.residency.lock:
+            if self._closed:
+                return
+            if self.config.flush_on_close:
+                self.flush()
+            self._writes.reap(wait=True)
+            self.engine.close()
+            self._executor.shutdown(wait=True)
+            if self.disk is not None:
+                self.disk.close()
+            if self._owns_remote:
+                self.remote.close()
+            self._closed = True
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Per tier (``"GPU"``, ``"CPU"``, ``"DISK"``): ``blocks``, ``used_bytes``,
+        ``capacity_bytes``. Where each memory pool lives: ``pool.device``."""
+        tiers = [(p.medium, len(p), p.used_bytes, p.capacity_bytes) for p in self.pools]
+        if self.disk is not None:
+            tiers.append((Medium.DISK, len(self.disk), self.disk.used_bytes, self.disk.capacity_bytes))
+        return {str(m): {"blocks": n, "used_bytes": u, "capacity_bytes": c} for m, n, u, c in tiers}
+
+    def check_invariants(self) -> None:
+        """For tests: pools and DISK agree with their indexes, caps hold, pins are sane."""
+        with self.residency.lock:
+            self.residency.drain()
+            self._writes.reap(wait=True)
+            for pool in self.pools:
+                pool.check()
+                assert pool.used_bytes <= pool.capacity_bytes
+            if self.disk is not None:
+                self.disk.check()
+            self.residency.check()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _after_fork_in_child(self) -> None:
+        """A forked child may read (its own read-only DISK view, new I/O threads: the
+        parent's do not exist in the child) and use its copies of the memory tiers; it never
+        writes the parent's DISK directory (guarantee 5, docs/reliability.md)."""
+        self.residency.after_fork_in_child()
+        self._executor = ThreadPoolExecutor(self.config.num_io_threads, thread_name_prefix="kvtier-io")
+        if self._closed:
+            return
+        if self.disk is not None:
+            self.disk.after_fork_in_child()
+        # the parent's jobs and locks are not the child's
+        self.engine = register_handlers(TransferEngine(), self.pools, self.disk, self.remote, self.namespace, self._executor)
+        self._writes.after_fork_in_child(self.engine)
+        self._prefetcher.engine = self.engine
+
+    def _observe(self, op: str, t0: float) -> None:
+        if self.observe is not None:
+            self.observe(op, time.perf_counter() - t0)
+
+    def _check_open(self) -> None:
+        """Raise if closed, then run deferred cleanups (the caller holds the lock)."""
+        if self._closed:
+            raise RuntimeError("store is closed")
+        self.residency.drain()
+
+    def _check_block_tensor(self, blocks: torch.Tensor, n: int) -> None:
+        expected = (n, *self.spec.block_shape)
+        if not isinstance(blocks, torch.Tensor) or tuple(blocks.shape) != expected:
+            got = tuple(blocks.shape) if isinstance(blocks, torch.Tensor) else type(blocks).__name__
+            raise ValueError(f"expected blocks of shape {expected}, got {got}")
+        if blocks.dtype != self.spec.dtype:
+            raise ValueError(f"expected blocks of dtype {self.spec.dtype}, got {blocks.dtype}")
+
+
+def register_handlers(
+    engine: TransferEngine, pools: list[BlockPool], disk: DiskTier | None, remote: RemoteBackend | None,
+    namespace: bytes, executor: ThreadPoolExecutor,
+) -> TransferEngine:
+    """Register a handler for every (source, destination) medium pair a store uses."""
+    for upper, lower in zip(pools, pools[1:]):
+        # loads record one event per layer, so layer i can be used before layer i+1 lands
+        engine.register(lower.medium, upper.medium, PoolCopyHandler(lower, upper, per_layer=True))
+        engine.register(upper.medium, lower.medium, PoolCopyHandler(upper, lower))
+    host_pools = [p for p in pools if p.tensor.device.type == "cpu"]
+    if disk is not None:
+        for pool in host_pools:
+            handler = DiskHandler(disk, pool, namespace, executor)
+            engine.register(Medium.DISK, pool.medium, handler)
+            engine.register(pool.medium, Medium.DISK, handler)
+    if remote is not None:
+        for pool in pools:
+            handler = RemoteHandler(remote, pool, namespace, executor)
+            engine.register(pool.medium, Medium.REMOTE, handler)
+            if pool in host_pools:
+                engine.register(Medium.REMOTE, pool.medium, handler)
+    return engine
+
+
+def _check_hashes(block_hashes: Sequence[BlockHash]) -> None:
+    """Block hashes are ``bytes`` of 16 or 32 bytes (kvtier.checks); anything else would
+    poison the index and fail later inside other requests' spills."""
+    check_block_hashes(block_hashes)
