@@ -343,6 +343,7 @@ def _uniform_shape(groups: Sequence[LayerGroup]) -> tuple[int, int] | None:
 
 
 _GROUP_KEYS = ("kind", "layers", "num_kv_heads", "k_head_dim", "v_head_dim", "window")
+_MAX_WIRE_GROUPS = 256
 _MAX_WIRE_LAYERS = 1 << 12
 
 
@@ -354,22 +355,25 @@ def groups_to_wire(spec: KVSpec) -> list[dict]:
 
 def spec_from_groups_wire(obj: object, block_size: object, dtype: torch.dtype) -> KVSpec:
     """Inverse of :func:`groups_to_wire` (with the spec's block_size and dtype), parsed
-    strictly: a list of maps with exactly the keys above, ints in range, at most 4096 layers.
+    strictly: a list of at most 256 maps with exactly the keys above, ints in range, at most
+    4096 layers in all.
 
     Raises:
         ValueError: anything else, saying what is wrong.
     """
-    if not isinstance(obj, list) or not obj or len(obj) > _MAX_WIRE_LAYERS:
-        raise ValueError(f"expected groups as a non-empty list of maps, got {type(obj).__name__}")
+    if not isinstance(obj, list) or not obj or len(obj) > _MAX_WIRE_GROUPS:
+        got = f"a list of {len(obj)}" if isinstance(obj, list) else type(obj).__name__
+        raise ValueError(f"expected groups as a list of 1..{_MAX_WIRE_GROUPS} maps, got {got}")
     _positive_int("block_size", block_size)
-    groups = []
+    groups, num_layers = [], 0
     for item in obj:
         if not isinstance(item, dict) or set(item) != set(_GROUP_KEYS):
             got = sorted(item) if isinstance(item, dict) else type(item).__name__
             raise ValueError(f"expected a group map with keys {sorted(_GROUP_KEYS)}, got {got}")
         layers = item["layers"]
-        if not isinstance(layers, list) or len(layers) > _MAX_WIRE_LAYERS:
-            raise ValueError(f"expected layers as a list of at most {_MAX_WIRE_LAYERS} ints, got {layers!r}")
+        num_layers += len(layers) if isinstance(layers, list) else 0
+        if not isinstance(layers, list) or num_layers > _MAX_WIRE_LAYERS:
+            raise ValueError(f"expected layers as lists of at most {_MAX_WIRE_LAYERS} ints in all, got {layers!r:.80}")
         for key in ("num_kv_heads", "k_head_dim", "v_head_dim", "window"):
             value = item[key]
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value >= 1 << 31):

@@ -19,7 +19,11 @@ blocks, each verified (namespace, block shape and dtype, checksum) before it is 
 
 A KVSpec is ``{"block_shape": [num_layers, 2, block_size, num_kv_heads, head_dim], "dtype":
 name}`` everywhere: the daemon's register body and replies, its ``<ns>/spec.msgpack`` files,
-Redis's ``kvtier:<ns>:spec`` key (:func:`pack_spec` / :func:`unpack_spec`).
+Redis's ``kvtier:<ns>:spec`` key (:func:`pack_spec` / :func:`unpack_spec`). A spec with layer
+groups (kvtier.types.LayerGroup: sliding windows, MLA, ...) adds ``"block_size"`` and
+``"groups": [{"kind", "layers", "num_kv_heads", "k_head_dim", "v_head_dim", "window"}, ...]``,
+and its ``block_shape`` is the spec's (``[block_numel]`` for a flat layout); an all-full spec
+is encoded exactly as before, so older clients and daemons still agree on it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import msgpack
 import torch
 
 from kvtier.records import HEADER_NBYTES
-from kvtier.types import DTYPE_NAMES, DTYPES_BY_NAME, KVSpec
+from kvtier.types import DTYPE_NAMES, DTYPES_BY_NAME, KVSpec, groups_to_wire, spec_from_groups_wire
 
 MSGPACK = "application/msgpack"
 FRAMES = "application/x-kvtier-frames"
@@ -55,8 +59,12 @@ def unpack_map(body: bytes, what: str) -> dict:
 
 # -- KVSpec ------------------------------------------------------------------------------------
 def spec_to_wire(spec: KVSpec) -> dict:
-    """``{"block_shape": [num_layers, 2, block_size, num_kv_heads, head_dim], "dtype": name}``."""
-    return {"block_shape": list(spec.block_shape), "dtype": DTYPE_NAMES[spec.dtype]}
+    """``{"block_shape": [num_layers, 2, block_size, num_kv_heads, head_dim], "dtype": name}``,
+    plus ``"block_size"`` and ``"groups"`` for a spec with layer groups."""
+    wire: dict = {"block_shape": list(spec.block_shape), "dtype": DTYPE_NAMES[spec.dtype]}
+    if spec.groups:
+        wire.update(block_size=spec.block_size, groups=groups_to_wire(spec))
+    return wire
 
 
 def spec_from_wire(obj: Any) -> KVSpec:
@@ -66,6 +74,11 @@ def spec_from_wire(obj: Any) -> KVSpec:
     shape, dtype = obj.get("block_shape"), obj.get("dtype")
     if not isinstance(dtype, str) or dtype not in DTYPES_BY_NAME:
         raise ValueError(f"expected dtype in {sorted(DTYPES_BY_NAME)}, got {dtype!r}")
+    if "groups" in obj:
+        spec = spec_from_groups_wire(obj["groups"], obj.get("block_size"), DTYPES_BY_NAME[dtype])
+        if shape != list(spec.block_shape):
+            raise ValueError(f"expected block_shape {list(spec.block_shape)} for these groups, got {shape!r}")
+        return spec
     if (
         not isinstance(shape, list)
         or len(shape) != 5
@@ -94,7 +107,8 @@ def unpack_spec(data: bytes) -> KVSpec:
 
 
 def describe(spec: KVSpec) -> str:
-    return f"block_shape {list(spec.block_shape)} {DTYPE_NAMES[spec.dtype]}"
+    layout = f" {spec.layout_name}" if spec.groups else ""
+    return f"block_shape {list(spec.block_shape)} {DTYPE_NAMES[spec.dtype]}{layout}"
 
 
 # -- frames ------------------------------------------------------------------------------------

@@ -176,13 +176,15 @@ class HFConnector:
         lora_version: str | None = None,
         cache_salt: str | None = None,
         remote: RemoteBackend | None = None,
+        emulate_gpu: bool = False,
     ) -> "HFConnector":
         """Build the key context and a store (GPU pool on the model's device) for ``model``.
 
         ``config`` defaults to ``StoreConfig.from_env()``; ``model_revision`` defaults to
         :func:`weights_fingerprint`; ``remote`` is a REMOTE backend to use instead of the one
         ``config.remote_url`` names (e.g. ``kvtier.testing.MemoryRemote``; not closed with
-        the connector).
+        the connector); ``emulate_gpu`` builds the GPU pool in host memory for a model on
+        the CPU (``TieredStore``'s option: the two-pool hierarchy of a CUDA machine, for tests).
 
         Raises:
             UnsupportedModelError: a model kvtier cannot serve exactly (linear attention,
@@ -201,7 +203,7 @@ class HFConnector:
             cache_salt=cache_salt,
             hash_name=config.hash_name,
         )
-        store = TieredStore(spec, config, key_context.namespace(), device=model.device, remote=remote)
+        store = TieredStore(spec, config, key_context.namespace(), model.device, remote, emulate_gpu)
         return cls(model, store, key_context)
 
     # -- hooks -------------------------------------------------------------------------------

@@ -1,8 +1,11 @@
 """Every model family the HF connector serves gives the model exactly the K/V it computes:
 greedy output with kvtier equals output without, and every step's logits are within 1e-5
-(float32) of a full prefill with the model's own default cache, on every tier path (top
-pool, CPU after the top pool evicted, DISK after reopening in a new store, REMOTE); the
-families it does not serve are refused by name.
+(float32) of a full prefill with the model's own default cache, on every tier path (GPU
+pool, CPU after the GPU pool evicted, DISK after reopening in a new store, REMOTE in memory
+and through the daemon); the families it does not serve are refused by name.
+
+The stores have the two-pool hierarchy of a CUDA machine: their GPU pool is emulated in host
+memory (``emulate_gpu``; without it a model on the CPU gets one CPU pool).
 
 Tiny random-weight models of the real architectures (kvtier.testing.families): windows of
 7-8 tokens under prompts of 30-46 tokens, so sliding layers really drop positions."""
@@ -94,7 +97,7 @@ CACHED = (PROMPT - 1) // BLOCK * BLOCK  # 28 of 30 prompt tokens come from kvtie
 def test_gpu_pool_hits_multi_turn(name, tmp_path):
     model = model_of(name)
     spec = kv_spec_for(model, BLOCK)
-    conn = HFConnector.from_model(model, config(tmp_path, spec=spec), model_id=name)
+    conn = HFConnector.from_model(model, config(tmp_path, spec=spec), model_id=name, emulate_gpu=True)
     try:
         ids = prompt(PROMPT, seed=1)
         first, _, plan = run(model, ids, conn)
@@ -110,14 +113,16 @@ def test_gpu_pool_hits_multi_turn(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", TIER_FAMILIES)
-def test_cpu_hits_after_top_pool_evicted(name, tmp_path):
+def test_cpu_hits_after_gpu_pool_evicted(name, tmp_path):
     model = model_of(name)
     spec = kv_spec_for(model, BLOCK)
-    conn = HFConnector.from_model(model, config(tmp_path, gpu_blocks=10, cpu_blocks=64, spec=spec), model_id=name)
+    conn = HFConnector.from_model(
+        model, config(tmp_path, gpu_blocks=10, cpu_blocks=64, spec=spec), model_id=name, emulate_gpu=True
+    )
     try:
         ids = prompt(PROMPT, seed=1)
         run(model, ids, conn)
-        run(model, prompt(44, seed=3), conn)  # 13 new blocks through a 10-block top pool
+        run(model, prompt(44, seed=3), conn)  # 13 new blocks through a 10-block GPU pool
         hashes = conn.block_hashes(ids[0])[: CACHED // BLOCK]
         assert not any(h in conn.store.top for h in hashes)
         check_same(name, ids, 1, conn, Medium.CPU, CACHED)
