@@ -7,7 +7,7 @@ and through the daemon); the families it does not serve are refused by name.
 The stores have the two-pool hierarchy of a CUDA machine: their GPU pool is emulated in host
 memory (``emulate_gpu``; without it a model on the CPU gets one CPU pool).
 
-Tiny random-weight models of the real architectures (kvtier.testing.families): windows of
+Tiny random-weight models of the real architectures (kvtier.app.families): windows of
 7-8 tokens under prompts of 30-46 tokens, so sliding layers really drop positions."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from kvtier.config import StoreConfig
 from kvtier.connectors.hf import HFConnector, UnsupportedModelError, kv_spec_for
 from kvtier.connectors.hf_cache import new_cache
 from kvtier.testing import MemoryRemote
-from kvtier.testing.families import REFUSED, SUPPORTED, tiny_model
+from kvtier.app.families import REFUSED, SUPPORTED, tiny_model
 from kvtier.types import Medium
 
 pytest.importorskip("transformers")

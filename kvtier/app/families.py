@@ -1,5 +1,5 @@
 """Tiny random-weight models of every model family the HF connector serves (and of some it
-refuses), for tests and the demo: the real architectures (transformers classes and their
+refuses), for the demo (``kvtier demo --model tiny-<family>``) and the tests: the real architectures (transformers classes and their
 config fields) at a few layers, hidden size 64, vocab 256, float32, seeded.
 
 Sliding windows and chunks are 7 or 8 tokens, so prompts of a few dozen tokens really slide
@@ -14,9 +14,10 @@ test prompts are >= 1e-3.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported when a model is built: `kvtier --help` does not pay for it
+    import torch
 
 VOCAB_SIZE = 256
 _COMMON = dict(
@@ -104,13 +105,14 @@ REFUSED: dict[str, Family] = {
 }
 
 
-def tiny_model(name: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+def tiny_model(name: str, seed: int = 0, **overrides: Any) -> "torch.nn.Module":
     """A seeded float32 random-weight model of family ``name`` (``SUPPORTED`` or
     ``REFUSED``), in eval mode. ``overrides`` replace config fields.
 
     Raises:
         KeyError: an unknown family name.
     """
+    import torch
     import transformers
 
     family = SUPPORTED.get(name) or REFUSED[name]
