@@ -92,7 +92,8 @@ ATTENTION_KINDS: tuple[str, ...] = ("full", "sliding", "chunked", "mla")
 _WINDOWED_KINDS = ("sliding", "chunked")
 
 
-def _positive_int(name: str, value: object) -> None:
+def positive_int(name: str, value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` is an ``int`` (not a ``bool``) above 0."""
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"expected {name} to be a positive int, got {value!r}")
 
@@ -134,9 +135,9 @@ class LayerGroup:
         if list(self.layers) != sorted(set(self.layers)):
             raise ValueError(f"expected ascending distinct layer indices, got {self.layers!r}")
         for name in ("num_kv_heads", "k_head_dim", "v_head_dim"):
-            _positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         if self.kind in _WINDOWED_KINDS:
-            _positive_int(f"window of a {self.kind} group", self.window)
+            positive_int(f"window of a {self.kind} group", self.window)
         elif self.window is not None:
             raise ValueError(f"expected no window for a {self.kind} group, got {self.window!r}")
 
@@ -199,14 +200,14 @@ class KVSpec:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "block_size"):
-            _positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         dtype_name(self.dtype)
         if self.groups:
             object.__setattr__(self, "groups", _normalise_groups(self.groups, self.num_layers))
         groups = self.groups
         if not groups:
-            _positive_int("num_kv_heads", self.num_kv_heads)
-            _positive_int("head_dim", self.head_dim)
+            positive_int("num_kv_heads", self.num_kv_heads)
+            positive_int("head_dim", self.head_dim)
             return
         uniform = _uniform_shape(groups)
         expected = uniform if uniform is not None else (0, 0)
@@ -341,43 +342,3 @@ def _uniform_shape(groups: Sequence[LayerGroup]) -> tuple[int, int] | None:
     heads, k_dim, v_dim = shapes.pop()
     return (heads, k_dim) if k_dim == v_dim else None
 
-
-_GROUP_KEYS = ("kind", "layers", "num_kv_heads", "k_head_dim", "v_head_dim", "window")
-_MAX_WIRE_GROUPS = 256
-_MAX_WIRE_LAYERS = 1 << 12
-
-
-def groups_to_wire(spec: KVSpec) -> list[dict]:
-    """``spec.groups`` as plain maps (msgpack/JSON): ``[{"kind", "layers", "num_kv_heads",
-    "k_head_dim", "v_head_dim", "window"}, ...]``; ``[]`` for a full-attention spec."""
-    return [{key: list(g.layers) if key == "layers" else getattr(g, key) for key in _GROUP_KEYS} for g in spec.groups]
-
-
-def spec_from_groups_wire(obj: object, block_size: object, dtype: torch.dtype) -> KVSpec:
-    """Inverse of :func:`groups_to_wire` (with the spec's block_size and dtype), parsed
-    strictly: a list of at most 256 maps with exactly the keys above, ints in range, at most
-    4096 layers in all.
-
-    Raises:
-        ValueError: anything else, saying what is wrong.
-    """
-    if not isinstance(obj, list) or not obj or len(obj) > _MAX_WIRE_GROUPS:
-        got = f"a list of {len(obj)}" if isinstance(obj, list) else type(obj).__name__
-        raise ValueError(f"expected groups as a list of 1..{_MAX_WIRE_GROUPS} maps, got {got}")
-    _positive_int("block_size", block_size)
-    groups, num_layers = [], 0
-    for item in obj:
-        if not isinstance(item, dict) or set(item) != set(_GROUP_KEYS):
-            got = sorted(item) if isinstance(item, dict) else type(item).__name__
-            raise ValueError(f"expected a group map with keys {sorted(_GROUP_KEYS)}, got {got}")
-        layers = item["layers"]
-        num_layers += len(layers) if isinstance(layers, list) else 0
-        if not isinstance(layers, list) or num_layers > _MAX_WIRE_LAYERS:
-            raise ValueError(f"expected layers as lists of at most {_MAX_WIRE_LAYERS} ints in all, got {layers!r:.80}")
-        for key in ("num_kv_heads", "k_head_dim", "v_head_dim", "window"):
-            value = item[key]
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value >= 1 << 31):
-                raise ValueError(f"expected {key} as an int below 2**31, got {value!r}")
-        groups.append(LayerGroup(item["kind"], tuple(layers), item["num_kv_heads"], item["k_head_dim"],
-                                 item["v_head_dim"], item["window"]))
-    return KVSpec.from_groups(groups, block_size, dtype)  # type: ignore[arg-type]
