@@ -7,6 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvtier.config import StoreConfig, config_from_cli, config_options, parse_bytes
+from tests.conftest import BLOCK_SIZE
 
 
 def test_parse_bytes_units():
@@ -71,3 +72,33 @@ def test_config_hash_names_are_the_hash_functions_of_kvtier_hashing():
     assert HASH_NAMES == IMPLEMENTED
     for name in IMPLEMENTED:
         assert StoreConfig(hash_name=name).hash_name == name
+
+
+def test_disk_only_config_is_refused_at_construction_not_at_first_store(tmp_path, opened):
+    with pytest.raises(ValueError, match="gpu_bytes or cpu_bytes"):
+        StoreConfig(gpu_bytes=0, cpu_bytes=0, disk_bytes=1 << 20, block_size=BLOCK_SIZE, data_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"KVTIER_GPU_BYTES": "lots"},
+        {"KVTIER_CPU_BYTES": "-5"},
+        {"KVTIER_DISK_BYTES": "12 parsecs"},
+        {"KVTIER_BLOCK_SIZE": "x"},
+        {"KVTIER_BLOCK_SIZE": "-16"},
+        {"KVTIER_NUM_IO_THREADS": "0"},
+        {"KVTIER_HASH_NAME": "md5"},
+        {"KVTIER_WRITE_POLICY": "sometimes"},
+        {"KVTIER_GPU_BYTES": "0", "KVTIER_CPU_BYTES": "0", "KVTIER_DISK_BYTES": "0"},
+    ],
+)
+def test_garbage_env_values_raise_value_error(env):
+    with pytest.raises(ValueError, match="expected"):
+        StoreConfig.from_env(env)
+
+
+def test_garbage_flush_on_close_env_value_raises_value_error():
+    with pytest.raises(ValueError, match="expected"):
+        StoreConfig.from_env({"KVTIER_FLUSH_ON_CLOSE": "ture"})
+
