@@ -13,7 +13,7 @@ import pytest
 
 from bench.common import Case, Row, measure, write_json
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ROW_KEYS = {"metric", "value", "unit", "baseline", "ratio"}
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from kvtier.app.demo import RunResult, compare, percentile
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TURN_KEYS = {"conversation", "turn", "prompt_tokens", "cached_tokens", "cached_from", "ttft_without_s",
              "ttft_with_s", "identical"}
 TOP_KEYS = {"turns", "token_hit_rate", "ttft_p50_without_s", "ttft_p50_with_s", "identical_turns", "total_turns"}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("shared_engines", REPO / "examples" / "shared_engines.py")
 shared_engines = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(shared_engines)
@@ -32,7 +32,7 @@ def _check(result: dict) -> None:
 
 
 def test_two_engines_share_through_the_daemon(tmp_path):
-    from tests.server.conftest import Subprocess
+    from tests.unit.server.conftest import Subprocess
 
     daemon = Subprocess(tmp_path / "daemon", "--cpu-bytes", "64MiB", "--disk-bytes", "256MiB").start()
     try:
@@ -43,7 +43,7 @@ def test_two_engines_share_through_the_daemon(tmp_path):
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 def test_two_engines_share_through_redis(tmp_path):
-    from tests.redis.conftest import RedisServer
+    from tests.unit.tiers.redis.conftest import RedisServer
 
     server = RedisServer(tmp_path / "redis").start()
     try:

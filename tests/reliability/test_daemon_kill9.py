@@ -20,7 +20,7 @@ from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.remote import RemoteTier
 from kvtier.types import KVSpec
 from tests.conftest import random_blocks
-from tests.server.conftest import NAMESPACE
+from tests.unit.server.conftest import NAMESPACE
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)  # 32 KiB blocks
 ROUNDS = 3

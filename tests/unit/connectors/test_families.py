@@ -167,7 +167,7 @@ def test_remote_hits_through_the_daemon(name, tmp_path):
     """The real daemon (kvtier serve's app on a thread), one family per block layout: its
     register call carries the layer groups; blocks another store put come back verified."""
     from kvtier.server.app import REGISTRY
-    from tests.server.conftest import ThreadDaemon, serve_settings
+    from tests.unit.server.conftest import ThreadDaemon, serve_settings
 
     model = model_of(name)
     spec = kv_spec_for(model, BLOCK)

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier.server.app import make_app
 from kvtier.wire import pack
 from tests.conftest import random_blocks
-from tests.server.conftest import NAMESPACE, SPEC, frames, hashes, ns_url, register, serve_settings
+from tests.unit.server.conftest import NAMESPACE, SPEC, frames, hashes, ns_url, register, serve_settings
 
 B = SPEC.block_size
 

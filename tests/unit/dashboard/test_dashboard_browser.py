@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from kvtier.dashboard import setup_observability
-from tests.observability.traffic import Traffic, traffic_store
+from tests.unit.dashboard.traffic import Traffic, traffic_store
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
 CHROMIUM = os.environ.get("KVTIER_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")

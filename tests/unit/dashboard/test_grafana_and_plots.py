@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier import metrics
 from tests.conftest import MemoryRemote, chain, tiny_spec
 
-GRAFANA = Path(__file__).resolve().parents[2] / "examples" / "grafana" / "kvtier.json"
+GRAFANA = Path(__file__).resolve().parents[3] / "examples" / "grafana" / "kvtier.json"
 
 
 def exported_names(make_store, namespace) -> set[str]:

@@ -60,7 +60,7 @@ CONFIGS = ["fp16,0,1", "bf16,1,1", "fp16,0,0"]  # dtype, TO_POOL, ALIGNED_16
 @pytest.fixture(scope="module")
 def instructions() -> dict[str, set[str]]:
     """Global loads/stores in the PTX of each of ``CONFIGS``: one subprocess, ~5 s."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     python_path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": python_path}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")

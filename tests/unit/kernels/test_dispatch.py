@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import (
+from tests.unit.kernels.kernel_cases import (
     BLOCK_IDS,
     PAGED_BLOCK_IDS,
     SPECS,

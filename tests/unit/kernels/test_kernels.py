@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from kernel_cases import (
+from tests.unit.kernels.kernel_cases import (
     BLOCK_IDS,
     PAGED_BLOCK_IDS,
     SMALL_SPECS,

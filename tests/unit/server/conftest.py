@@ -28,7 +28,7 @@ from kvtier.wire import END, block_bytes, frame_prefix, pack, spec_to_wire
 from kvtier.tiers.disk import record_footprint
 from tests.conftest import tiny_spec
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 NAMESPACE = bytes(range(32))
 SPEC = tiny_spec()  # [2, 2, 4, 1, 8] float32: 512 bytes a block
 

@@ -18,7 +18,7 @@ from kvtier.server.settings import ServeConfig
 from kvtier.wire import END, frame_prefix, pack, pack_spec, spec_from_wire, spec_to_wire, unpack_spec
 from kvtier.types import KVSpec, LayerGroup, Medium
 from tests.conftest import random_blocks
-from tests.server.conftest import (
+from tests.unit.server.conftest import (
     NAMESPACE,
     SPEC,
     frames,

@@ -17,7 +17,7 @@ from kvtier.tiers.backend import RemoteBackend, make_remote
 from kvtier.tiers.remote import RemoteTier
 from kvtier.types import KVSpec
 from tests.conftest import random_blocks
-from tests.server.conftest import NAMESPACE, SPEC, CorruptingProxy, hashes
+from tests.unit.server.conftest import NAMESPACE, SPEC, CorruptingProxy, hashes
 
 OK, MISSING = ReadStatus.OK, ReadStatus.MISSING
 HANG_BOUND_S = 10.0  # a call that takes longer than this is a hang, not a slow miss

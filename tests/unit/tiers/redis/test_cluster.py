@@ -13,7 +13,7 @@ from kvtier.records import ReadStatus
 from kvtier.tiers.redis import RedisTier
 from kvtier.types import KVSpec
 from tests.conftest import chain, random_blocks, tiny_spec
-from tests.redis.conftest import free_port
+from tests.unit.tiers.redis.conftest import free_port
 
 NS = bytes(range(32))
 SPEC = tiny_spec()
