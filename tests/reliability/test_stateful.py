@@ -317,6 +317,6 @@ class StoreMachine(RuleBasedStateMachine):
 # (background jobs run in submission order; every step ends by waiting for them), fault draws
 # keyed by block (kvtier.testing.FaultPlan), and rule preconditions only on state that does not
 # depend on hits. Concurrency itself is exercised in test_processes.py and
-# tests/regressions/test_breaker.py (threads storing, loading and flushing at once).
+# test_threads.py (threads storing, loading and flushing at once).
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = reliability_settings()

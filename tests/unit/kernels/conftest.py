@@ -5,7 +5,7 @@ import time, before any test module imports ``kvtier.kernels.triton_kv``. Withou
 defaults to ``1`` (the CPU tests compare the interpreted kernels with the torch reference);
 with CUDA it is left alone, so the kernels compile and the ``gpu`` tests run them on the device
 (the interpreter reads host memory only and cannot follow the kernels' pointer tables into
-device memory). ``TRITON_INTERPRET=1 pytest tests/kernels`` forces the CPU tests on a GPU machine.
+device memory). ``TRITON_INTERPRET=1 pytest tests/unit/kernels`` forces the CPU tests on a GPU machine.
 """
 
 import os
