@@ -64,16 +64,24 @@ def test_threads_storing_loading_prefetching_looking_up_and_flushing_serve_only_
 
 
 def test_prefetch_in_flight_while_another_thread_stores_the_same_blocks(tmp_path, opened, monkeypatch):
+    """The blocks a prefetch is bringing up are pending in the top pool: a store of the same
+    blocks from another thread meanwhile stops at the first of them and writes nothing (no
+    second slot, no second write), and the prefetch then serves the exact bytes."""
     store, hashes, blocks = stored_then_reopened(opened, tmp_path, 4, gpu=8)
     real = DiskTier.read_into
-    monkeypatch.setattr(DiskTier, "read_into", lambda self, *a: (time.sleep(0.05), real(self, *a))[1])
-    handle = store.prefetch(hashes)
+    stored = threading.Event()
+    monkeypatch.setattr(DiskTier, "read_into", lambda self, *a: (stored.wait(10), real(self, *a))[1])
+    handle = store.prefetch(hashes)  # its DISK reads wait until the store below is done
+    stored_before = sum(store.stats.stored_blocks.values())
     results = []
     writer = threading.Thread(target=lambda: results.append(store.store(hashes, blocks)))
     writer.start()
-    writer.join()
-    assert results[0] in range(0, 5)  # the blocks being brought up are not written twice
-    handle.wait().lease.release()
+    writer.join(10)
+    stored.set()
+    assert results == [0] and sum(store.stats.stored_blocks.values()) == stored_before
+    result = handle.wait()
+    assert len(result.block_ids) == 4
+    result.lease.release()
     n, out = read_back(store, hashes)
     assert n == 4 and torch.equal(out, blocks)
     store.check_invariants()

@@ -85,12 +85,11 @@ def test_duplicate_hash_in_one_store_request_stores_it_once(make_store):
     store.check_invariants()
 
 
-def test_non_bytes_namespace_is_refused_at_construction(tmp_path, opened):
+@pytest.mark.parametrize("bad_namespace", ["n" * 32, b"n" * 31, bytearray(32), None], ids=["str", "31B", "bytearray", "None"])
+def test_non_bytes_namespace_is_refused_at_construction(tmp_path, opened, bad_namespace):
+    """Refused at the call: a store built with it would write it into every DISK record (and
+    spill, the first time, with a namespace the records cannot hold)."""
     config = config_in_blocks(tmp_path, gpu=1, disk=8)
-    try:
-        store = opened(TieredStore(SPEC, config, "n" * 32, device="cpu"))
-    except (TypeError, ValueError):
-        return
-    store.store(chain(1, SPEC, NS), random_blocks(SPEC, 1))
-    store.store(chain(1, SPEC, NS, start=50), random_blocks(SPEC, 1))  # spills the first
-
+    with pytest.raises(ValueError, match="expected a namespace of 32 bytes"):
+        opened(TieredStore(SPEC, config, bad_namespace, device="cpu"))
+    assert not (tmp_path / "disk").exists()  # refused before anything was opened
