@@ -52,6 +52,7 @@ def test_measure_interleaves_cases_after_warmup():
         measure(cases, repeats=0)
 
 
+@pytest.mark.slow  # runs bench/tiers.py end to end
 def test_tiers_bench_writes_rows_with_same_run_baselines(tmp_path):
     out = tmp_path / "tiers.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}

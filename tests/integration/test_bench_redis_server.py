@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs the benchmark against a daemon and redis-server
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # two engines, a daemon and redis-server processes
+
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("shared_engines", REPO / "examples" / "shared_engines.py")
 shared_engines = importlib.util.module_from_spec(_spec)

@@ -83,6 +83,7 @@ def test_greedy_output_equals_a_cold_run_under_disk_faults(llama, tmp_path, op, 
 
 @pytest.mark.parametrize("op,kind", [("get", k) for k in ("unavailable", "timeout", "corrupt", "truncate", "missing")]
                          + [("put", k) for k in ("full", "corrupt", "truncate")])
+@pytest.mark.slow  # a model's generate per fault, with a daemon
 def test_greedy_output_equals_a_cold_run_under_remote_faults(llama, tmp_path, op, kind):
     remote = MemoryRemote(timeout_s=0.005)
     plan = FaultPlan([Fault(op, kind, p=0.5, delay_s=0.005)], seed=5)

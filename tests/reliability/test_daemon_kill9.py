@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 
+import pytest
 import torch
 
 from kvtier.records import ReadStatus
@@ -20,7 +21,9 @@ from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.remote import RemoteTier
 from kvtier.types import KVSpec
 from tests.conftest import random_blocks
-from tests.unit.server.conftest import NAMESPACE
+from tests.unit.server.conftest import NAMESPACE, spawn  # noqa: F401  (spawn: the daemon fixture, defined beside the server's tests)
+
+pytestmark = pytest.mark.slow  # a daemon subprocess killed and restarted
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)  # 32 KiB blocks
 ROUNDS = 3

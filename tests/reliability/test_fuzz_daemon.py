@@ -216,6 +216,7 @@ def _examples(default: int) -> int:
     return 50 * default if reliability_settings().max_examples > 1000 else default
 
 
+@pytest.mark.slow  # fuzzes a daemon
 def test_fuzzed_requests_never_get_a_5xx_and_stored_blocks_stay_intact(daemon, client):
     auth = {"Authorization": f"Bearer {TOKEN}"}
     for ns in (REFERENCE_NS, TARGET_NS):

@@ -10,9 +10,12 @@ import random
 import signal
 import time
 
+import pytest
 import torch
 
 from tests.conftest import NS, chain, open_store, random_blocks, read_back, tiny_spec
+
+pytestmark = pytest.mark.slow  # kills child processes
 
 SPEC = tiny_spec()
 _FORK = multiprocessing.get_context("fork")

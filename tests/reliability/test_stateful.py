@@ -31,6 +31,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -319,4 +320,5 @@ class StoreMachine(RuleBasedStateMachine):
 # depend on hits. Concurrency itself is exercised in test_processes.py and
 # test_threads.py (threads storing, loading and flushing at once).
 TestStoreMachine = StoreMachine.TestCase
+TestStoreMachine.pytestmark = [pytest.mark.slow]  # the long stateful model check
 TestStoreMachine.settings = reliability_settings()

@@ -63,6 +63,7 @@ _SCRIPT = (
 )
 
 
+@pytest.mark.slow  # Python subprocesses
 def test_hashes_stable_across_processes_and_hash_seeds_regression_k4():
     outputs = []
     for seed in ("0", "12345"):

@@ -45,6 +45,7 @@ def test_import_kvtier_imports_neither_the_app_layer_nor_torch() -> None:
     assert imported == []
 
 
+@pytest.mark.slow  # a subprocess that imports torch
 def test_library_api_pulls_in_no_click_rich_or_dataset_code() -> None:
     """Every public name, the connectors and the daemon's app: still no application layer."""
     code = (
@@ -57,6 +58,7 @@ def test_library_api_pulls_in_no_click_rich_or_dataset_code() -> None:
     assert imported == ["torch"]  # the store is built on torch: proves the code ran
 
 
+@pytest.mark.slow  # a subprocess that imports torch
 def test_cpu_kernels_do_not_import_triton() -> None:
     """Triton is imported only for CUDA tensors (or KVTIER_KERNELS=triton)."""
     code = (

@@ -163,6 +163,7 @@ def test_remote_hits_in_another_store(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", LAYOUT_KINDS)
+@pytest.mark.slow  # a daemon subprocess per family
 def test_remote_hits_through_the_daemon(name, tmp_path):
     """The real daemon (kvtier serve's app on a thread), one family per block layout: its
     register call carries the layer groups; blocks another store put come back verified."""

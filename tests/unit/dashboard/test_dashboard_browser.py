@@ -60,6 +60,7 @@ def check_page_shows(page, section: dict) -> None:
             assert text == f"{int(want):,}", (element_id, text, want)
 
 
+@pytest.mark.slow  # drives chromium against a live daemon
 def test_dashboard_under_load_matches_the_stats_endpoint(tmp_path, live_server):
     store = traffic_store(tmp_path / "kvtier", gpu_blocks=64, cpu_blocks=192, disk_blocks=1024)
 

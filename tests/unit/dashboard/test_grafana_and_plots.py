@@ -53,6 +53,7 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+@pytest.mark.slow  # draws every plot with matplotlib
 def test_demo_and_bench_plots(tmp_path):
     plots = pytest.importorskip("kvtier.app.plots")
     pytest.importorskip("matplotlib")

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.slow  # compiles the Triton kernel in a subprocess
 
 _COMPILE = textwrap.dedent(
     """
@@ -52,7 +53,6 @@ _COMPILE = textwrap.dedent(
         print(config, *sorted(set(re.findall(r"(?:ld|st)\\.global[\\w.]*", compiled.asm["ptx"]))))
     """
 )
-
 
 CONFIGS = ["fp16,0,1", "bf16,1,1", "fp16,0,0"]  # dtype, TO_POOL, ALIGNED_16
 

@@ -15,6 +15,8 @@ from kvtier.types import KVSpec
 from tests.conftest import chain, random_blocks, tiny_spec
 from tests.unit.tiers.redis.conftest import free_port
 
+pytestmark = pytest.mark.slow  # starts a redis-server cluster
+
 NS = bytes(range(32))
 SPEC = tiny_spec()
 BIG_SPEC = KVSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_size=64, dtype=torch.bfloat16)
