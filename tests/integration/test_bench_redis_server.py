@@ -66,7 +66,6 @@ def test_server_bench_writes_rows_with_redis_baselines(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [out.name]  # the bench removed its temp dir
 
 
-@pytest.mark.slow  # a subprocess bench: ~10 s
 def test_redis_limits_bench_writes_guarded_rows_with_plain_baselines(tmp_path):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server not on PATH (apt-get install redis-server)")

@@ -293,6 +293,7 @@ def test_clear_namespace_deletes_its_blocks_only(redis_server):
     assert tier.put(NS, ours[:2], list(random_blocks(SPEC, 2))) == [True, True]
 
 
+@pytest.mark.slow  # starts a redis-server cluster
 def test_clear_namespace_on_a_cluster_empties_every_node(redis_cluster):
     redis_cluster.flush()
     tier = make_tier(redis_cluster.url, namespaces=(NS, NS_B))
