@@ -87,6 +87,14 @@ class Placement:
             media.append(medium)
         return media
 
+    def held_blocks(self) -> dict[Medium, list[BlockHash]]:
+        """Every published block of each local tier (in eviction order; a block loaded or
+        being written is not held yet): a snapshot for KV-event subscribers."""
+        held = {p.medium: [h for h in p.lru_order() if not self._residency.is_pending(p.medium, h)] for p in self.pools}
+        if self.disk is not None:
+            held[Medium.DISK] = list(self.disk.lru_order())
+        return held
+
     def touch_tail_first(self, block_hashes: Sequence[BlockHash], new: frozenset = frozenset()) -> None:
         """A use of ``block_hashes`` (``new`` ones only move to the recent end of probation),
         in reverse order, so the head of a request is the last of it to be evicted."""

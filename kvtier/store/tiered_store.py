@@ -39,7 +39,7 @@ import torch
 from kvtier.checks import check_block_hashes, check_namespace
 from kvtier.config import StoreConfig
 from kvtier.store import misses
-from kvtier.store.events import KVEventPublisher
+from kvtier.store.events import AllBlocksCleared, BlockStored, EventBatch, KVEventPublisher
 from kvtier.store.lookup import ChainLookup
 from kvtier.store.misses import Explanation, MissMemory
 from kvtier.store.placement import Placement, make_pools
@@ -234,6 +234,17 @@ class TieredStore:
             self._check_open()
             return misses.explain(self.placement, self.misses, block_hashes, walk.media, walk.remote_down, prompt,
                                   self.namespace)
+
+    def events_snapshot(self) -> EventBatch:
+        """An ``AllBlocksCleared`` then a ``BlockStored`` per tier of every block held now,
+        numbered with the last published batch's ``seq`` (a stream resumes after it)."""
+        with self.residency.lock:  # events are published under this lock: seq and blocks agree
+            self._check_open()
+            held = self.placement.held_blocks()
+            seq = self.events.seq
+        events: list = [AllBlocksCleared()]
+        events += [BlockStored(hashes, None, [], self.spec.block_size, None, str(m)) for m, hashes in held.items() if hashes]
+        return EventBatch(time.time(), events, self.events.data_parallel_rank, seq)
 
     # -- stores ------------------------------------------------------------------------------
     def prepare_store(self, block_hashes: Sequence[BlockHash]) -> StoreHandle:
