@@ -67,16 +67,20 @@ def render_text(explanation: Any, num_tokens: int, source: str, width: int = 80)
     import textwrap
 
     bs = explanation.block_size
-    lines = [f"kvtier explain: {num_tokens} prompt tokens, block_size {bs}, {source}"[:width]]
+    lines = [f"kvtier explain: {num_tokens:,} prompt tokens, block_size {bs}"]
+    lines += textwrap.wrap(f"from {source}", width, subsequent_indent="  ")
+    lines.append(f"{'blocks':<11}{'tokens':<14}where")
+
+    def row(blocks: str, tokens: str, text: str) -> None:
+        head = f"{blocks:<11}{tokens:<14}"
+        lines.extend(textwrap.wrap(text, width, initial_indent=head, subsequent_indent=" " * len(head)))
+
     for first, last, b in explanation.runs():
-        blocks = f"block {first}" if first == last else f"blocks {first}-{last}"
-        head = f"  {blocks:<16} tokens {first * bs:>6}-{(last + 1) * bs - 1:<6} "
-        lines += textwrap.wrap(_where(b.reason, b.tier, b.detail), width, initial_indent=head,
-                               subsequent_indent=" " * len(head))
+        row(f"{first}" if first == last else f"{first}-{last}", f"{first * bs}-{(last + 1) * bs - 1}",
+            _where(b.reason, b.tier, b.detail))
     if explanation.tail_tokens:
         start = len(explanation.blocks) * bs
-        head = f"  {'tail':<16} tokens {start:>6}-{num_tokens - 1:<6} "
-        lines.append(head + "miss: partial tail (last token always computed)"[: width - len(head)])
+        row("tail", f"{start}-{num_tokens - 1}", "miss: partial tail (the last token is always computed)")
     hit = explanation.hit_tokens
     lines.append(f"hit {hit:,} of {num_tokens:,} prompt tokens ({hit / num_tokens:.1%})" if num_tokens else "empty prompt")
     missed = sorted(explanation.miss_tokens.items(), key=lambda kv: -kv[1])

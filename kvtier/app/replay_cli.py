@@ -191,8 +191,8 @@ def render(doc: dict[str, Any]) -> list[str]:
             k and k["hit_rate"], k and k["cumulative_hit_rate"], k and k["total_hit_rate"],
             lr and lr["hit_rate"], lr and lr["cumulative_hit_rate"])]
         lines.append(f"{tier:<5}{capacity:>10,}{mark} {cells[0]:>12}{cells[1]:>9}{cells[2]:>8}  {cells[3]:>9}{cells[4]:>9}")
-    lines += ["", "(= the run's own capacity; hit rates per block looked up)", "recommended (smallest capacity within "
-              f"{WITHIN:.0%} of the best hit rate of the tier and those above it):"]
+    lines += ["", "= the run's own capacity; hit rates per block looked up; <= tier: that tier",
+              "  and the faster ones", f"recommended: the smallest capacity within {WITHIN:.0%} of the best '<= tier'"]
     for r in doc["recommendations"]:
         lines.append(f"  {r['tier']:<5}{r['policy']:<7}{r['capacity_blocks']:>10,} blocks: {r['cumulative_hit_rate']:.1%} "
                      f"(best {r['best_cumulative_hit_rate']:.1%})")
@@ -219,6 +219,8 @@ def render(doc: dict[str, Any]) -> list[str]:
 @click.option("--cpu-blocks", type=click.IntRange(0), default=None, help="CPU capacity (default: the trace's).")
 @click.option("--disk-blocks", type=click.IntRange(0), default=None, help="DISK capacity (default: the trace's).")
 @click.option("--points", type=click.IntRange(2, 64), default=8, show_default=True, help="Capacities per tier.")
+@click.option("--refine", type=click.IntRange(0, 16), default=4, show_default=True,
+              help="kvtier passes per tier bisecting towards the recommended capacity.")
 @click.option("--policy", "policies", type=click.Choice(["kvtier", "lru"]), multiple=True,
               help="Policies to replay (default both).")
 @click.option("--jobs", type=click.IntRange(1), default=None, help="Processes for the kvtier passes (default: cores).")
@@ -230,7 +232,7 @@ def render(doc: dict[str, Any]) -> list[str]:
               help="With --sharegpt: also write the built trace (kvtier's trace format) here.")
 def replay(trace_path: Path | None, sharegpt: bool, users: int, turns: int, seed: int, tokenizer: str,
            block_size: int | None, gpu_blocks: int | None, cpu_blocks: int | None, disk_blocks: int | None,
-           points: int, policies: tuple[str, ...], jobs: int | None, json_path: Path | None, plot_path: Path | None,
+           points: int, refine: int, policies: tuple[str, ...], jobs: int | None, json_path: Path | None, plot_path: Path | None,
            save_trace: Path | None) -> None:
     """Hit rate per tier against capacity (kvtier's SLRU and plain LRU), and what to buy."""
     from kvtier.app.traces import read_trace, sharegpt_trace, write_trace
@@ -250,7 +252,7 @@ def replay(trace_path: Path | None, sharegpt: bool, users: int, turns: int, seed
             tiers[name] = value
     if not tiers.get("GPU") and not tiers.get("CPU"):
         raise click.UsageError("expected a GPU or CPU tier of >= 1 block")
-    doc = sweep(trace, tiers, points, jobs or os.cpu_count() or 1, tuple(policies) or ("kvtier", "lru"))
+    doc = sweep(trace, tiers, points, jobs or os.cpu_count() or 1, tuple(policies) or ("kvtier", "lru"), refine)
     for line in render(doc):
         click.echo(line)
     if json_path is not None:

@@ -17,6 +17,7 @@ other_namespace      ""               has the same tokens as a block stored unde
 failed_verification  where it failed  failed a check on load (``detail``: the load-failure
                                       reason, e.g. ``corrupt``, ``token_mismatch``) and was
                                       dropped; also for its later lookups while remembered
+                                      (every failed load is remembered, by its own reason)
 remote_unavailable   REMOTE           could not be asked of the REMOTE tier or read from it
                                       (down, timed out, paused after a failure)
 load_failed          where it was     its load failed for another reason (``detail``: missing,
@@ -121,8 +122,8 @@ SHARED = ContentIndex()
 
 @dataclass(slots=True)
 class MissMemory:
-    """What one store remembers to explain misses: blocks that failed verification (their
-    records were dropped), and the content index it notes its stores in."""
+    """What one store remembers to explain misses: blocks whose load failed (a failed
+    check drops the record), and the content index it notes its stores in."""
 
     content: ContentIndex = field(default_factory=lambda: SHARED)
     failed: OrderedDict = field(default_factory=OrderedDict)  # block_hash -> (tier, failure)
@@ -159,7 +160,7 @@ def classify(
             continue
         failed = memory.failed.get(h)
         if failed is not None:
-            misses.append((FAILED_VERIFICATION, failed[0], failed[1]))
+            misses.append((load_failure_reason(failed[0], failed[1]), failed[0], failed[1]))
             continue
         if remote_down:
             misses.append((REMOTE_UNAVAILABLE, str(Medium.REMOTE), ""))
@@ -274,9 +275,19 @@ def explain(
     remote_down: bool, prompt: PromptInfo | None, namespace: bytes,
 ) -> Explanation:
     """Each block's fate under a load now: hits from ``media`` (the walked prefix) up to
-    the top pool's capacity, then the reasons of the rest (the caller holds the lock)."""
-    loadable = min(len(media), placement.top.num_blocks)
-    blocks = [BlockExplanation(i, str(media[i])) for i in range(loadable)]
+    the top pool's capacity and its slots free or evictable now, then the reasons of the
+    rest (the caller holds the lock)."""
+    top = placement.top
+    loadable = min(len(media), top.num_blocks)
+    slots = placement.free_top_slots(block_hashes[:loadable])
+    blocks: list[BlockExplanation] = []
+    for i in range(loadable):
+        moved = media[i] is not top.medium
+        slots -= moved
+        blocks.append(BlockExplanation(i, str(media[i]), NO_FREE_SLOT if moved and slots < 0 else None))
+    if any(b.reason for b in blocks):  # a load stops at the first block without a slot
+        first = next(i for i, b in enumerate(blocks) if b.reason)
+        blocks[first:] = [BlockExplanation(b.index, b.tier, NO_FREE_SLOT) for b in blocks[first:]]
     blocks += [BlockExplanation(i, str(media[i]), BEYOND_TOP_CAPACITY) for i in range(loadable, len(media))]
     found = classify(placement, memory, block_hashes, len(media), remote_down, prompt, namespace)
     blocks += [BlockExplanation(len(media) + k, tier, reason, detail) for k, (reason, tier, detail) in enumerate(found)]

@@ -87,6 +87,13 @@ class Placement:
             media.append(medium)
         return media
 
+    def free_top_slots(self, keep: Sequence[BlockHash]) -> int:
+        """Top-pool slots a load could take now: free ones, and blocks that could be evicted
+        (neither pinned nor pending) other than ``keep``."""
+        top, keep = self.top, set(keep)
+        evictable = sum(1 for h in top.lru_order() if h not in keep and self._residency.evictable(top.medium, h))
+        return top.num_free + evictable
+
     def held_blocks(self) -> dict[Medium, list[BlockHash]]:
         """Every published block of each local tier (in eviction order; a block loaded or
         being written is not held yet): a snapshot for KV-event subscribers."""

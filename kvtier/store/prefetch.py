@@ -291,8 +291,7 @@ class Prefetcher:
                     reason = b.reason or "error"
                     stats.load_failures[reason] += 1
                     stats.load_failures_by_tier[(str(b.source), reason)] += 1
-                    if misses.load_failure_reason(str(b.source), reason) == misses.FAILED_VERIFICATION:
-                        self._memory.note_failed(b.block_hash, str(b.source), reason)
+                    self._memory.note_failed(b.block_hash, str(b.source), reason)
                     if b.source is Medium.DISK and b.reason in ("corrupt", "missing") and placement.disk is not None:
                         placement.disk.remove([b.block_hash])  # never claim it again
                         placement.events.removed(Medium.DISK, [b.block_hash])
