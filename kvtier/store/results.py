@@ -119,6 +119,9 @@ class StoreHandle:
     lease: Lease
     abandon: Any = None
     """Finalizer that frees the slots if the handle is dropped without ``complete_store``."""
+    parent: BlockHash | None = None
+    """The request's block before ``block_hashes[0]`` when known (a later chunk of a
+    ``store_with``): the parent of its KV event (kvtier.store.events)."""
 
 
 @dataclass

@@ -97,7 +97,9 @@ class StorePath:
             for h in handle.block_hashes:
                 residency.end_pending(top.medium, h)
             self._stats.stored_blocks[top.medium] += len(handle.block_hashes)
-            placement.events.stored_runs(top.medium, handle.lease.block_hashes, handle.block_hashes)
+            chain = handle.lease.block_hashes
+            placement.events.stored_runs(top.medium, (handle.parent, *chain) if handle.parent else chain,
+                                         handle.block_hashes)
             if self.memory is not None:
                 self.memory.note_stored(handle.block_hashes, None, placement.namespace)
             if self.trace is not None:
@@ -136,6 +138,7 @@ class StorePath:
         stored = 0
         for start in range(0, len(block_hashes), chunk):
             handle = self.prepare(block_hashes[start : start + chunk])
+            handle.parent = block_hashes[start - 1] if start else None
             ok = False
             try:
                 if handle.block_ids:
