@@ -1,10 +1,12 @@
 """TTFT saved: what the cached tokens would have cost to prefill, minus the load time spent.
 
 A connector times each prefill it drives (the engine's forward over the tokens it computes)
-and feeds ``(computed_tokens, seconds)`` to a :class:`PrefillRate` of its model. The rate is a
-least-squares fit ``seconds = a + b * tokens`` over the last ``window`` prefills, so that the
-fixed cost of a forward (``a``: kernel launches, sampling) is not charged to each token; ``b``
-is the prefill's marginal cost per token. A request that loaded ``n`` cached tokens in
+and feeds ``(computed_tokens, seconds)`` to a :class:`PrefillRate` of its model. The rate is
+the slope ``b`` of a line ``seconds = a + b * tokens`` through the last ``window`` prefills, so
+that the fixed cost of a forward (``a``: kernel launches, sampling) is not charged to each
+token; ``b`` is the prefill's marginal cost per token. The slope is Theil-Sen's (the median of
+the slopes between every two prefills; Sen, JASA 1968): one slow outlier (a first call, a
+busy host) moves it little, where it would tilt a least-squares line. A request that loaded ``n`` cached tokens in
 ``load_s`` seconds saved ``n * b - load_s`` seconds of TTFT: counted in ``ttft_saved_s`` when
 positive, in ``ttft_lost_s`` when the load cost more than recomputing would have
 (``TieredStore.record_computed_tokens``). Prefill time grows faster than linearly with long
@@ -45,18 +47,20 @@ class PrefillRate:
             self._samples.append((computed_tokens, seconds))
 
     def seconds_per_token(self) -> float | None:
-        """The fitted marginal cost ``b`` (seconds per token), or ``None`` before any prefill."""
+        """The fitted marginal cost ``b`` (seconds per token), or ``None`` before any prefill;
+        the median seconds per token when the prefills' lengths barely differ or the slope
+        is not positive."""
         if not self._samples:
             return None
-        xs = [n for n, _ in self._samples]
-        ys = [t for _, t in self._samples]
+        samples = list(self._samples)
+        xs = [n for n, _ in samples]
         if max(xs) - min(xs) >= MIN_SPREAD_TOKENS:
-            mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-            var = sum((x - mean_x) ** 2 for x in xs)
-            slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var
+            slopes = [(t2 - t1) / (n2 - n1) for i, (n1, t1) in enumerate(samples) for n2, t2 in samples[i + 1 :]
+                      if abs(n2 - n1) >= MIN_SPREAD_TOKENS]
+            slope = statistics.median(slopes)
             if slope > 0:
                 return slope
-        return statistics.median(t / n for n, t in self._samples)
+        return statistics.median(t / n for n, t in samples)
 
     def saving(self, cached_tokens: int, load_s: float) -> tuple[float, float] | None:
         """``(saved_s, lost_s)`` for a request that loaded ``cached_tokens`` in ``load_s``
