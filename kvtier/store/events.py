@@ -235,6 +235,13 @@ class KVEventPublisher:
         if run:
             self.stored(medium, run, parent)
 
+    def snapshot(self, held: dict[Any, Sequence[BlockHash]]) -> EventBatch:
+        """``AllBlocksCleared`` then a ``BlockStored`` per tier of ``held`` (medium -> hashes),
+        numbered with the last batch's ``seq`` (call it under the store's lock)."""
+        events: list[KVCacheEvent] = [AllBlocksCleared()]
+        events += [BlockStored(list(hs), None, [], self.block_size, None, str(m)) for m, hs in held.items() if hs]
+        return EventBatch(time.time(), events, self.data_parallel_rank, self._seq)
+
     def publish(self, events: list[KVCacheEvent]) -> None:
         with self._lock:
             self._seq += 1

@@ -150,3 +150,13 @@ class StoreStats:
     ``TieredStore.record_computed_tokens`` (under the store's lock)."""
     ttft_lost_s: float = 0.0
     """Seconds by which loads took longer than recomputing would have (per request)."""
+
+
+def check_connector_counts(num_tokens: int, ttft_saved_s: float | None, ttft_lost_s: float) -> None:
+    """What ``TieredStore.record_computed_tokens`` accepts. Raises ``ValueError`` for a
+    negative or non-integer token count, a negative or non-finite time."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"expected a token count >= 0, got {num_tokens!r}")
+    for name, value in (("ttft_saved_s", ttft_saved_s), ("ttft_lost_s", ttft_lost_s)):
+        if value is not None and not (isinstance(value, (int, float)) and 0 <= value < float("inf")):
+            raise ValueError(f"expected {name} >= 0 seconds, got {value!r}")

@@ -39,13 +39,13 @@ import torch
 from kvtier.checks import check_block_hashes, check_namespace
 from kvtier.config import StoreConfig
 from kvtier.store import misses
-from kvtier.store.events import AllBlocksCleared, BlockStored, EventBatch, KVEventPublisher
+from kvtier.store.events import EventBatch, KVEventPublisher
 from kvtier.store.lookup import ChainLookup
 from kvtier.store.misses import Explanation, MissMemory
 from kvtier.store.placement import Placement, make_pools
 from kvtier.store.prefetch import Prefetcher, PrefetchHandle
 from kvtier.store.residency import Residency
-from kvtier.store.results import LoadResult, LookupResult, PromptInfo, StoreHandle, StoreStats
+from kvtier.store.results import LoadResult, LookupResult, PromptInfo, StoreHandle, StoreStats, check_connector_counts
 from kvtier.store.stores import StorePath
 from kvtier.store.trace import open_trace
 from kvtier.store.writes import BackgroundWrites
@@ -240,11 +240,7 @@ class TieredStore:
         numbered with the last published batch's ``seq`` (a stream resumes after it)."""
         with self.residency.lock:  # events are published under this lock: seq and blocks agree
             self._check_open()
-            held = self.placement.held_blocks()
-            seq = self.events.seq
-        events: list = [AllBlocksCleared()]
-        events += [BlockStored(hashes, None, [], self.spec.block_size, None, str(m)) for m, hashes in held.items() if hashes]
-        return EventBatch(time.time(), events, self.events.data_parallel_rank, seq)
+            return self.events.snapshot(self.placement.held_blocks())
 
     # -- stores ------------------------------------------------------------------------------
     def prepare_store(self, block_hashes: Sequence[BlockHash]) -> StoreHandle:
@@ -317,11 +313,7 @@ class TieredStore:
         Raises:
             ValueError: a negative or non-integer token count, a negative or non-finite time.
         """
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-            raise ValueError(f"expected a token count >= 0, got {num_tokens!r}")
-        for name, value in (("ttft_saved_s", ttft_saved_s), ("ttft_lost_s", ttft_lost_s)):
-            if value is not None and not (isinstance(value, (int, float)) and 0 <= value < float("inf")):
-                raise ValueError(f"expected {name} >= 0 seconds, got {value!r}")
+        check_connector_counts(num_tokens, ttft_saved_s, ttft_lost_s)
         with self.residency.lock:
             self.stats.computed_tokens += num_tokens
             if ttft_saved_s is not None:
