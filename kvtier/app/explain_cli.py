@@ -118,11 +118,17 @@ def _key_from_model(model_name: str, data_dir: Path | None) -> tuple[Any, Any, A
     from kvtier.config import StoreConfig
     from kvtier.connectors.hf import HFConnector, kv_spec_for
 
+    if data_dir is not None and not (Path(data_dir).expanduser() / "disk" / "data.mdb").exists():
+        raise StatsUnavailable(f"no DISK tier at {Path(data_dir).expanduser() / 'disk'} (nothing stored there yet?)")
     model, tokenizer, model_id = load_model(model_name)
     block_nbytes = kv_spec_for(model, StoreConfig().block_size).block_nbytes
-    config = StoreConfig.from_env(gpu_bytes=0, cpu_bytes=64 * block_nbytes, flush_on_close=False, remote_url=None)
+    config = StoreConfig.from_env(gpu_bytes=0, cpu_bytes=64 * block_nbytes, flush_on_close=False)
+    config = config.with_(remote_url=None, trace_path=None)  # read only what is local; trace nothing
     config = config.with_(data_dir=data_dir) if data_dir is not None else config.with_(disk_bytes=0)
-    return HFConnector.from_model(model, config, model_id=model_id), tokenizer, model_id
+    try:
+        return HFConnector.from_model(model, config, model_id=model_id), tokenizer, model_id
+    except RuntimeError as exc:  # the DISK tier is open in a running engine
+        raise StatsUnavailable(f"{exc}; ask that process instead (--url)") from None
 
 
 @click.command("explain")

@@ -274,3 +274,28 @@ def test_miss_tokens_are_exported_by_reason_and_tier(tmp_path):
         {"reason": "never_stored", "tier": "", "tokens": 48}, {"reason": "partial_tail", "tier": "", "tokens": 5}]
     assert doc["total"]["miss_tokens"] == doc["namespaces"]["m"]["miss_tokens"]
     store.close()
+
+
+@pytest.mark.slow  # loads a model twice
+def test_explain_a_local_data_dir_with_the_connectors_key(tmp_path):
+    """``kvtier explain --model tiny-llama --data-dir DIR``: the key the transformers
+    connector uses for that model, the DISK tier a stopped engine left."""
+    from kvtier.app.models import load_model
+    from kvtier.connectors.hf import HFConnector
+
+    model, _, model_id = load_model("tiny-llama")
+    config = StoreConfig(gpu_bytes=0, cpu_bytes=1 << 24, disk_bytes=1 << 26, data_dir=tmp_path / "d")
+    connector = HFConnector.from_model(model, config, model_id=model_id)
+    tokens = list(range(100, 100 + 3 * BS + 2))
+    prefill = model(torch.tensor([tokens]), use_cache=True)
+    connector.after_request(tokens, prefill.past_key_values)
+    connector.close()  # flushes to DISK
+    args = ["explain", "--model", "tiny-llama", "--data-dir", str(tmp_path / "d"), "--tokens",
+            ",".join(map(str, tokens + list(range(7000, 7000 + BS))))]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "0-2 0-47 hit DISK" in out and "3 48-63 miss: never stored" in out
+    missing = CliRunner().invoke(main, ["explain", "--model", "tiny-llama", "--data-dir", str(tmp_path / "x"),
+                                        "--tokens", "1,2,3"])
+    assert missing.exit_code == 1 and "no DISK tier" in missing.output
