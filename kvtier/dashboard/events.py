@@ -42,16 +42,28 @@ KEEPALIVE_S = 15.0
 StoresFor = Callable[[web.Request], Mapping[str, "TieredStore"]]
 """``stores_for(request) -> {name: store}``: the stores this caller may see, by name."""
 
+_STOP = object()
+"""Put in a stream's queue when the app shuts down: the stream ends."""
+
 
 def setup_events(app: web.Application, stores_for: StoresFor, path: str = "/v1/events",
                  keepalive_s: float = KEEPALIVE_S) -> None:
-    """Add ``GET path``: the SSE stream of the module docstring."""
+    """Add ``GET path``: the SSE stream of the module docstring. Open streams end when the
+    app shuts down (``on_shutdown``), so a stopping server never waits for its clients."""
+    streams: set[asyncio.Queue] = set()
 
     async def handler(request: web.Request) -> web.StreamResponse:
         name, store = pick_store(stores_for(request), request.query.get("namespace"))
-        return await stream_events(request, name, store, keepalive_s)
+        return await stream_events(request, name, store, keepalive_s, streams)
+
+    async def end_streams(app: web.Application) -> None:
+        for queue in list(streams):
+            while not queue.empty():
+                queue.get_nowait()
+            queue.put_nowait(_STOP)
 
     app.router.add_get(path, handler)
+    app.on_shutdown.append(end_streams)
 
 
 def pick_store(stores: Mapping[str, "TieredStore"], name: str | None) -> tuple[str, "TieredStore"]:
@@ -85,12 +97,15 @@ def parse_cursor(request: web.Request) -> int | None:
 
 
 async def stream_events(request: web.Request, name: str, store: "TieredStore",
-                        keepalive_s: float = KEEPALIVE_S) -> web.StreamResponse:
-    """Stream ``store``'s events to the client until it goes away (see the module doc)."""
+                        keepalive_s: float = KEEPALIVE_S, streams: set | None = None) -> web.StreamResponse:
+    """Stream ``store``'s events to the client until it goes away or the app shuts down
+    (see the module doc); ``streams``: the app's open streams (their queues)."""
     cursor = parse_cursor(request)
     store.events.keep_history(HISTORY_BATCHES)
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[EventBatch | None] = asyncio.Queue(QUEUE_BATCHES)
+    queue: asyncio.Queue = asyncio.Queue(QUEUE_BATCHES)
+    if streams is not None:
+        streams.add(queue)
 
     def on_batch(batch: EventBatch) -> None:  # on the store's threads
         loop.call_soon_threadsafe(_offer, queue, batch)
@@ -107,6 +122,8 @@ async def stream_events(request: web.Request, name: str, store: "TieredStore",
             except asyncio.TimeoutError:
                 await response.write(b": keep-alive\n\n")
                 continue
+            if batch is _STOP:
+                break
             if batch is None:  # this client fell too far behind: start over from a snapshot
                 last = await _catch_up(response, name, store, None)
                 continue
@@ -117,15 +134,19 @@ async def stream_events(request: web.Request, name: str, store: "TieredStore",
         pass
     finally:
         unsubscribe()
+        if streams is not None:
+            streams.discard(queue)
     return response
 
 
-def _offer(queue: "asyncio.Queue[EventBatch | None]", batch: EventBatch) -> None:
+def _offer(queue: asyncio.Queue, batch: EventBatch) -> None:
     try:
         queue.put_nowait(batch)
     except asyncio.QueueFull:
         while not queue.empty():
-            queue.get_nowait()
+            if queue.get_nowait() is _STOP:  # shutting down: keep the stop
+                queue.put_nowait(_STOP)
+                return
         queue.put_nowait(None)
 
 
