@@ -23,7 +23,7 @@ Hit rates are per block requested (a block is ``block_size`` tokens).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -71,6 +71,11 @@ class MemoryDiskIndex:
     @property
     def free_bytes(self) -> int:
         return self.capacity_bytes - len(self._lru)
+
+    def free_bytes_after(self, pending: Iterable[Any], payload_nbytes: int) -> int:
+        """DiskTier's: free blocks once ``pending`` writes land (none are pending here: the
+        replay's writes are synchronous)."""
+        return self.free_bytes - sum(1 for h in pending if h not in self._lru)
 
     def footprint(self, payload_nbytes: int) -> int:
         return 1
