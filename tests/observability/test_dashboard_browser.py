@@ -23,7 +23,10 @@ from tests.observability.traffic import Traffic, traffic_store
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
 CHROMIUM = os.environ.get("KVTIER_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+pytestmark = [
+    pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)"),
+    pytest.mark.slow,  # a real browser over ~10 s of traffic
+]
 
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run"]

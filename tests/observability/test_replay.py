@@ -124,6 +124,7 @@ def test_recommendation_is_the_smallest_capacity_within_one_percent_of_the_best(
     assert rec["cumulative_hit_rate"] >= (1 - WITHIN) * 0.601
 
 
+@pytest.mark.slow  # a real run, a grid of replays and a plot: several seconds
 def test_replay_cli_table_json_and_plot(tmp_path, trace):
     pytest.importorskip("matplotlib")
     unique = trace.unique_blocks
