@@ -41,6 +41,21 @@ def _usage_blocks(store) -> dict[str, int]:
     return {tier: u["blocks"] for tier, u in store.usage().items()}
 
 
+def test_reset_publishes_all_blocks_cleared_to_kv_event_subscribers(stores, tmp_path):
+    """A router following KV events (examples/router.py) must forget every block of a reset
+    store: the reset publishes ``AllBlocksCleared`` after the tiers are empty."""
+    from kvtier.store.events import AllBlocksCleared, BlockStored
+
+    store, hashes = _everywhere(stores, tmp_path)
+    events = store.events.queue()
+    store.reset()
+    batches = events.drain()
+    assert [type(e) for b in batches for e in b.events] == [AllBlocksCleared]
+    assert store.store(hashes[:1], contents(hashes[:1])) == 1
+    stored = [e for b in events.drain() for e in b.events]
+    assert stored and all(isinstance(e, BlockStored) for e in stored)
+
+
 def test_reset_empties_every_tier_and_keeps_the_counters(stores, tmp_path):
     remote = MemoryRemote()
     store, hashes = _everywhere(stores, tmp_path, remote)

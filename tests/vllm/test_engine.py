@@ -155,3 +155,13 @@ def test_reset_prefix_cache_empties_the_store_and_the_next_prompt_loads_nothing(
     assert after["num_cached_tokens"] == 0
     assert after["kv_transfer_params"]["kvtier"]["loaded_tokens"] == {}
     assert after["output"] == outputs(runs.without)[0]
+
+
+def test_the_connector_counts_prompt_tokens_and_the_ttft_its_loads_saved(runs: Runs) -> None:
+    """Every prompt token the engine computed is counted once (the worker, per step, from the
+    scheduler's metadata), and the TTFT the loads saved (or lost) is measured, never "n/a"."""
+    (stats,) = runs.with_["stats"]
+    turns = runs.with_["turns"]
+    assert stats["store"]["computed_tokens"] == sum(t["prompt_tokens"] - t["num_cached_tokens"] for t in turns)
+    assert stats["store"]["ttft_saved_s"] is not None
+    assert stats["store"]["ttft_saved_s"] + stats["store"]["ttft_lost_s"] > 0  # turns 2 and 3 loaded from CPU
