@@ -3,6 +3,7 @@
 Commands:
     demo    multi-turn ShareGPT chats with and without kvtier: TTFT, hits per tier, identity.
     serve   the cache daemon: a shared KV cache over HTTP (kvtier.server).
+    serve-model  an OpenAI-compatible chat server on transformers' continuous batching, kvtier underneath.
     stats   hit rate, hits per tier, occupancy, bytes moved: tables from a daemon or a data dir.
 
 Store options (``--gpu-bytes`` ... ``--flush-on-close``) map one to one onto
@@ -138,6 +139,53 @@ def serve(**kwargs: Any) -> None:
     try:
         run(settings, announce=lambda line: click.echo(line))
     except (RuntimeError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@main.command("serve-model")
+@click.argument("model", type=click.Choice(MODEL_NAMES), default="smollm2")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (no auth: keep it on loopback "
+              "or behind a proxy).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="TCP port (0: any free one).")
+@click.option("--no-kvtier", is_flag=True, help="Serve with transformers' continuous batching alone (its own prefix "
+              "sharing on): the baseline.")
+@click.option("--page-size", type=click.IntRange(4), default=256, show_default=True,
+              help="Tokens per paged block of transformers' cache (a multiple of --block-size).")
+@click.option("--num-blocks", type=click.IntRange(1), default=None,
+              help="Paged blocks of transformers' cache (default: --paged-cache-bytes worth).")
+@click.option("--paged-cache-bytes", default="1GiB", show_default=True,
+              help="Size of transformers' paged cache (the device cache) when --num-blocks is not given.")
+@click.option("--max-batch-tokens", type=click.IntRange(1), default=None,
+              help="Tokens per forward pass (default: transformers').")
+@click.option("--sampling", type=click.Choice(["greedy", "sample"]), default="greedy", show_default=True,
+              help="greedy: argmax for every request (temperature must be 0 or absent); sample: per-request "
+                   "temperature and top_p.")
+@click.option("--seed", type=int, default=None, help="Seed of the sampler (--sampling sample).")
+@click.option("--default-max-tokens", type=click.IntRange(1), default=256, show_default=True,
+              help="max_completion_tokens of a request that names none.")
+@click.option("--max-tokens-limit", type=click.IntRange(1), default=4096, show_default=True,
+              help="Largest max_completion_tokens accepted.")
+@click.option("--load-deadline-s", type=click.FloatRange(0), default=2.0, show_default=True,
+              help="How long a request waits for its kvtier load (DISK/REMOTE) before computing instead.")
+@click.option("--served-name", "served_names", multiple=True,
+              help="Extra name clients may send as 'model' (repeatable); the model's short and full names always work.")
+@click.option("--threads", "num_threads", type=click.IntRange(1), default=None, help="torch.set_num_threads.")
+@config_options
+def serve_model(**kwargs: Any) -> None:
+    """Serve MODEL (smollm2 or tiny-llama) over an OpenAI-compatible API (/v1/chat/completions,
+    streaming or not) on transformers' continuous batching, with kvtier's tiers under its paged
+    cache: hits are loaded straight into the requests' paged blocks, every computed block is
+    stored, and SIGINT/SIGTERM flushes the memory tiers to DISK for the next server process.
+    --remote-url shares blocks with other processes through `kvtier serve` or Redis."""
+    from kvtier.app.serve_model import run_from_cli
+
+    try:
+        config = None if kwargs["no_kvtier"] else config_from_cli(kwargs)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    try:
+        run_from_cli(kwargs, config, announce=lambda line: click.echo(line))
+    except (ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
 
 
