@@ -143,8 +143,17 @@ class ContinuousEngine:
         """Per-request cached tokens by source (kvtier's tiers, or transformers' own ``paged``)."""
         return (self.connector or self.probe).admissions
 
-    def start(self) -> None:
+    def start(self, warmup: bool = True) -> None:
+        """Start the generation loop; ``warmup`` first serves one 4-token request (counted in
+        the admissions): the first step of a manager allocates and touches its static input
+        tensors, seconds on a CPU, which would otherwise land on the first client's TTFT."""
         self.manager.start()
+        if warmup:
+            token = self.eos_token_id if isinstance(self.eos_token_id, int) else 0
+            rid = self.manager.add_request([token] * 4, request_id="kvtier-warmup", max_new_tokens=1)
+            if rid is not None:
+                self.manager.get_result(request_id=rid, timeout=600)
+                self.admissions.pop(rid)
         self._running = True
         self._dispatcher = threading.Thread(target=self._dispatch, name="kvtier-cb-dispatch", daemon=True)
         self._dispatcher.start()

@@ -65,6 +65,15 @@ def main() -> None:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Draw TTFT per turn without and with kvtier as a PNG here (needs matplotlib).")
 @click.option("--fresh", is_flag=True, help="Delete the DISK tier (<data-dir>/disk) before running.")
+@click.option("--engine", type=click.Choice(["sequential", "continuous"]), default="sequential", show_default=True,
+              help="sequential: one request at a time through model.generate; continuous: --users concurrent users "
+                   "on transformers' continuous batching (a pass without kvtier, then one with it).")
+@click.option("--users", type=click.IntRange(1), default=8, show_default=True,
+              help="Concurrent users (--engine continuous), one ShareGPT conversation each.")
+@click.option("--think-time", "think_s", type=click.FloatRange(0), default=0.5, show_default=True,
+              help="Seconds a user waits between an answer and its next turn (--engine continuous).")
+@click.option("--page-size", type=click.IntRange(4), default=64, show_default=True,
+              help="Tokens per paged block of transformers' cache (--engine continuous; a multiple of --block-size).")
 @config_options
 def demo(**kwargs: Any) -> None:
     """Run ShareGPT chats through a model twice per turn - full prefill, then with kvtier -
@@ -100,12 +109,17 @@ def demo(**kwargs: Any) -> None:
     started = time.perf_counter()
     progress = _Progress(console)
     try:
-        report = run_demo(options, config, fresh=kwargs["fresh"], progress=progress, console=console)
+        if kwargs["engine"] == "continuous":
+            report = _run_continuous(options, config, kwargs, console)
+        else:
+            report = run_demo(options, config, fresh=kwargs["fresh"], progress=progress, console=console)
     except (ModelNotInstalledError, DatasetNotInstalledError) as exc:
         raise click.ClickException(str(exc)) from exc
     finally:
         progress.stop()
     _print_report(report, console, time.perf_counter() - started)
+    if kwargs["engine"] == "continuous":
+        _print_concurrency(report, console)
     if kwargs["json_path"]:
         report.write_json(kwargs["json_path"])
         console.print(f"results written to {kwargs['json_path']}")
@@ -187,6 +201,30 @@ def serve_model(**kwargs: Any) -> None:
         run_from_cli(kwargs, config, announce=lambda line: click.echo(line))
     except (ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def _run_continuous(options: Any, config: Any, kwargs: dict[str, Any], console: Any) -> Any:
+    from kvtier.app.cb_engine import EngineOptions
+    from kvtier.app.demo_continuous import ContinuousOptions, run_continuous_demo
+
+    if kwargs["page_size"] % config.block_size:
+        raise click.UsageError(f"--page-size ({kwargs['page_size']}) must be a multiple of --block-size ({config.block_size})")
+    engine = EngineOptions(page_size=kwargs["page_size"], paged_cache_bytes=256 << 20, max_batch_tokens=1024)
+    cont = ContinuousOptions(users=kwargs["users"], think_s=kwargs["think_s"], engine=engine)
+    console.print(f"{cont.users} concurrent users on transformers' continuous batching (page size {engine.page_size}); "
+                  "pass 1 without kvtier, pass 2 with it on the same prompts ...")
+    return run_continuous_demo(options, config, cont, fresh=kwargs["fresh"], console=console)
+
+
+def _print_concurrency(report: Any, console: Any) -> None:
+    for name in ("without", "with"):
+        c = report.concurrency[name]
+        cached = ", ".join(f"{k} {v}" for k, v in sorted(c["cached_tokens_by_source"].items())) or "none"
+        console.print(
+            f"concurrency, {name} kvtier: {c['requests']} requests in {c['wall_s']:.1f} s, in flight max "
+            f"{c['max_in_flight']} / mean {c['mean_in_flight']:.1f}, {c['output_tokens_per_s']:.1f} output tok/s, "
+            f"TTFT p50 {_s(c['ttft_p50_s'])}, inter-token p50 {_s(c['inter_token_latency_p50_s'])}; cached: {cached}",
+            highlight=False)
 
 
 def _demo_options(kwargs: dict[str, Any]) -> "Any":
