@@ -207,7 +207,7 @@ class Launched:
             port = s.getsockname()[1]
         self.starts += 1
         log = open(os.path.join(self.log_dir, f"{self.name}-{self.starts}.log"), "w")
-        cmd = self.command.format(port=port, data_dir=self.data_dir)
+        cmd = self.command.replace("{port}", str(port)).replace("{data_dir}", self.data_dir)
         self.process = subprocess.Popen(cmd, shell=True, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + ready_timeout_s

@@ -165,8 +165,26 @@ def test_conversation_hits_after_the_paged_cache_turned_over(model, connect):
         got = [serve(manager, [w])[0] for w in waves]
     assert got == expected
     last = conn.admissions.get(list(conn.admissions._by_id)[-1])
-    assert last.cached_by_source.get(PAGED, 0) == 0, "expected transformers' own cache to have turned over"
-    assert last.cached_by_source.get("CPU", 0) >= 2 * PAGE
+    assert last.cached_tokens >= 2 * PAGE
+    if GENERATION == "allocators":  # 5.17 evicts its cached blocks newest first: the old ones may survive
+        assert last.cached_by_source.get(PAGED, 0) == 0, "expected transformers' own cache to have turned over"
+        assert last.cached_by_source.get("CPU", 0) >= 2 * PAGE
+
+
+@pytest.mark.slow
+def test_conversation_hits_after_a_new_paged_cache(model, connect):
+    """A new manager (a new paged cache, nothing of the old one left) on the same connector:
+    the conversation's blocks come back from kvtier."""
+    conversation = tokens(2 * PAGE + 20, seed=3)
+    waves = [[conversation], [conversation + tokens(9, seed=4)]]
+    expected = baseline(model, waves, gap_s=1.0)
+    conn = connect()
+    first = with_kvtier(conn, waves[:1])
+    conn.detach()
+    second = with_kvtier(conn, waves[1:])
+    assert first + second == expected
+    last = conn.admissions.get(list(conn.admissions._by_id)[-1])
+    assert last.cached_by_source.get(PAGED, 0) == 0 and last.kvtier_tokens >= 2 * PAGE
 
 
 @pytest.mark.slow
