@@ -200,3 +200,19 @@ def test_detokenizer_holds_back_a_possible_stop_string(tokenizer):
     assert text.stopped and released == "hello world, " == text.text
     plain = Detokenizer(tokenizer, [])
     assert "".join(plain.add([i]) for i in ids) + plain.flush() == "hello world, stop here"
+
+
+def test_parse_sampling_servers_take_temperature_and_refuse_greedy_and_seeds():
+    from kvtier.app.openai_api import ApiError, parse_chat_request
+
+    limits = Limits((MODEL,), max_model_len=1024, sampling="sample")
+    parsed = parse_chat_request(chat("x", temperature=0.7, top_p=0.9, max_completion_tokens=5, stop="\n"), limits)
+    assert (parsed.temperature, parsed.top_p, parsed.max_tokens, parsed.stop) == (0.7, 0.9, 5, ["\n"])
+    for body, param in ((chat("x", temperature=0), "temperature"), (chat("x", temperature=1.0, seed=3), "seed"),
+                        (chat("x", temperature=float("nan")), "temperature"), (chat("x", top_p=0), "top_p"),
+                        (chat("x", max_tokens=True), "max_tokens"), ([1, 2], None)):
+        with pytest.raises(ApiError) as err:
+            parse_chat_request(body, limits)
+        assert err.value.status == 400 and err.value.param == param
+    greedy = parse_chat_request(chat("x", temperature=0, top_p=1, seed=7), Limits((MODEL,), 1024))
+    assert greedy.temperature is None and greedy.seed == 7
