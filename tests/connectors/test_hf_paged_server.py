@@ -1,5 +1,6 @@
 """`kvtier serve-model`'s OpenAI-compatible server over a tiny random Llama (byte tokenizer):
-outputs equal transformers' continuous batching alone, streaming, bad requests, disconnects."""
+outputs equal transformers' continuous batching alone, streaming, bad requests, disconnects.
+The tests through a running engine are marked ``slow`` (~35 s together on 2 cores)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,7 @@ async def stream_events(response) -> list:
     return events
 
 
+@pytest.mark.slow
 async def test_completion_matches_continuous_batching_without_kvtier(client, model, tokenizer):
     body = chat("tell me about caches", max_tokens=12)
     first = await (await client.post("/v1/chat/completions", json=body)).json()
@@ -96,6 +98,7 @@ async def test_completion_matches_continuous_batching_without_kvtier(client, mod
     assert (len(prompt) - 1) // 16 * 16 == sum(cached.values())
 
 
+@pytest.mark.slow
 async def test_stream_sends_the_same_text_then_usage_and_done(client):
     body = chat("streaming please", max_tokens=10)
     plain = await (await client.post("/v1/chat/completions", json=body)).json()
@@ -112,6 +115,7 @@ async def test_stream_sends_the_same_text_then_usage_and_done(client):
     assert events[-2]["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
 
 
+@pytest.mark.slow
 async def test_stop_string_cuts_the_text(client):
     plain = await (await client.post("/v1/chat/completions", json=chat("stop test", max_tokens=24))).json()
     text = plain["choices"][0]["message"]["content"]
@@ -121,6 +125,7 @@ async def test_stop_string_cuts_the_text(client):
     assert cut["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body, status, param", [
     ({"model": MODEL}, 400, "messages"),
     (chat("x", temperature=0.5), 400, "temperature"),
@@ -145,11 +150,13 @@ async def test_bad_requests_get_4xx_with_a_message_and_the_server_keeps_serving(
     assert ok.status == 200
 
 
+@pytest.mark.slow
 async def test_invalid_json_is_400(client):
     response = await client.post("/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"})
     assert response.status == 400 and "JSON" in (await response.json())["error"]["message"]
 
 
+@pytest.mark.slow
 async def test_client_disconnect_mid_stream_frees_its_request(client, engine, monkeypatch):
     cancelled = []
     cancel = engine.manager.cancel_request
@@ -172,6 +179,7 @@ async def test_client_disconnect_mid_stream_frees_its_request(client, engine, mo
     engine.connector.store.check_invariants()
 
 
+@pytest.mark.slow
 async def test_concurrent_streams_equal_sequential_answers(client):
     bodies = [chat(f"user {i} asks about block {i * 7}", max_tokens=8) for i in range(8)]
     sequential = [(await (await client.post("/v1/chat/completions", json=b)).json())["choices"][0]["message"]["content"]
@@ -184,6 +192,7 @@ async def test_concurrent_streams_equal_sequential_answers(client):
     assert await asyncio.gather(*(one(b) for b in bodies)) == sequential
 
 
+@pytest.mark.slow
 async def test_models_health_and_stats(client):
     models = await (await client.get("/v1/models")).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
