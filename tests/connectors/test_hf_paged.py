@@ -36,9 +36,9 @@ def model():
     return LlamaForCausalLM(cfg).eval()
 
 
-def cb_config(num_blocks: int = 48, page: int = PAGE) -> ContinuousBatchingConfig:
+def cb_config(num_blocks: int = 48, page: int = PAGE, max_batch_tokens: int = 256, **kwargs) -> ContinuousBatchingConfig:
     name = "block_size" if GENERATION == "block_manager" else "page_size"
-    return ContinuousBatchingConfig(**{name: page}, num_blocks=num_blocks, max_batch_tokens=256)
+    return ContinuousBatchingConfig(**{name: page}, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens, **kwargs)
 
 
 def gen_config() -> GenerationConfig:
@@ -288,3 +288,42 @@ def test_unsupported_transformers_release_is_refused_at_start(monkeypatch):
     monkeypatch.setattr(transformers, "__version__", "5.40.0")
     with pytest.raises(compat.UnsupportedTransformersError, match=r"supports transformers >=5.17,<5.25.*found 5.40.0"):
         compat.check_transformers()
+
+
+@pytest.mark.slow
+def test_chunked_prefill_stays_identical(model, connect):
+    """Prompts longer than a forward's token budget: prefill in chunks, stores after each."""
+    prompts = [tokens(3 * PAGE + 10 * i, seed=40 + i) for i in range(5)]
+    expected = baseline(model, [prompts], max_batch_tokens=64)
+    conn = connect()
+    assert with_kvtier(conn, [prompts], max_batch_tokens=64) == expected
+    assert conn.admissions.stats.stored_blocks >= sum(len(p) // BLOCK for p in prompts)
+
+
+@pytest.mark.slow
+def test_soft_reset_requests_come_back_to_their_own_blocks(model, connect):
+    """A paged cache too small for every request's decode: transformers soft-resets one (its
+    cache is freed, it comes back with its output in its prompt); kvtier serves the blocks it
+    had computed, and every output stays the same."""
+    new = 60
+    generation = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1)
+    prompts = [tokens(2 * PAGE - 4 - i, seed=40 + i) for i in range(4)]
+
+    def run(manager) -> list[list[int]]:
+        with running(manager):
+            ids = [manager.add_request(p, max_new_tokens=new) for p in prompts]
+            outputs = {}
+            while len(outputs) < len(ids):
+                result = manager.get_result(timeout=60)
+                assert result is not None, "timed out"
+                if result.is_finished():
+                    outputs[result.request_id] = result.generated_tokens
+        return [outputs[i] for i in ids]
+
+    cb = {"num_blocks": 9, "max_batch_tokens": 512, "safety_margin": 0.0}
+    expected = run(model.init_continuous_batching(generation, cb_config(**cb)))
+    conn = connect()
+    assert run(conn.init_continuous_batching(generation, cb_config(**cb))) == expected
+    if GENERATION == "allocators":
+        resets = [a for a in conn.admissions._by_id.values() if a.prompt_tokens > max(len(p) for p in prompts)]
+        assert resets and all(a.kvtier_tokens >= 2 * PAGE for a in resets), list(conn.admissions._by_id.values())
