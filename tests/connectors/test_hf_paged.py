@@ -327,3 +327,36 @@ def test_soft_reset_requests_come_back_to_their_own_blocks(model, connect):
     if GENERATION == "allocators":
         resets = [a for a in conn.admissions._by_id.values() if a.prompt_tokens > max(len(p) for p in prompts)]
         assert resets and all(a.kvtier_tokens >= 2 * PAGE for a in resets), list(conn.admissions._by_id.values())
+
+
+@pytest.mark.slow
+def test_two_engines_share_blocks_through_remote(model, tmp_path):
+    """Two connectors, each with its own store and DISK, one REMOTE tier: what the first one
+    computed is a REMOTE hit for the second, loaded straight into its paged blocks."""
+    from kvtier.connectors.hf import kv_spec_for
+    from kvtier.hashing import KeyContext
+    from kvtier.store import TieredStore
+    from kvtier.testing.remote import MemoryRemote
+    from kvtier.types import KV_LAYOUT
+
+    remote = MemoryRemote()
+    context = KeyContext(model_id="tiny", model_revision="r1", dtype="float32", kv_layout=KV_LAYOUT, block_size=BLOCK)
+
+    def engine(name: str) -> HFPagedConnector:
+        store = TieredStore(kv_spec_for(model, BLOCK), store_config(tmp_path / name), context.namespace(), remote=remote)
+        return HFPagedConnector(model, store, context)
+
+    prompt = tokens(2 * PAGE + 30, seed=11)
+    first, second = engine("a"), engine("b")
+    try:
+        expected = with_kvtier(first, [[prompt]])
+        first.store.wait_for_writes()  # the puts to REMOTE run in the background
+        assert with_kvtier(second, [[prompt]]) == expected
+        admission = next(iter(second.admissions._by_id.values()))
+        usable = (len(prompt) - 1) // BLOCK * BLOCK
+        if GENERATION == "block_manager":  # whole paged blocks only
+            usable -= usable % PAGE
+        assert admission.cached_by_source.get("REMOTE") == usable
+    finally:
+        first.close()
+        second.close()
