@@ -8,6 +8,8 @@ are never made under the store's lock. Every method expects the store's lock hel
 
 from __future__ import annotations
 
+from collections import Counter
+
 from kvtier.store.placement import Placement
 from kvtier.store.residency import Residency
 from kvtier.store.results import Lease, StoreStats
@@ -42,6 +44,7 @@ class BackgroundWrites:
     def after_fork_in_child(self, engine: TransferEngine) -> None:
         """The parent's jobs do not exist in a forked child; its pins stay (never released)."""
         self._jobs.clear()
+        self._placement.disk_in_flight.clear()
         self.engine = engine
 
     def write_through(self, block_hashes: list[BlockHash]) -> None:
@@ -63,6 +66,7 @@ class BackgroundWrites:
         # deleted them later could evict a block pinned in between (guarantee 4).
         placement.evict_from_disk(victims)
         job = TransferJob(host.medium, Medium.DISK, todo, src_ids=[host.block_id(h) for h in todo])
+        placement.disk_in_flight.update(todo)
         self._jobs[self.engine.submit(job)] = (Medium.DISK, lease)
 
     def put_remote(self, block_hashes: list[BlockHash]) -> None:
@@ -86,6 +90,9 @@ class BackgroundWrites:
         for result in results:
             medium, lease = self._jobs.pop(result.job_id)
             lease.release()
+            if medium is Medium.DISK:
+                self._placement.disk_in_flight.subtract(lease.block_hashes)
+                self._placement.disk_in_flight += Counter()  # drop zero counts
             if medium is Medium.REMOTE:
                 self._stats.stored_blocks[Medium.REMOTE] += sum(result.ok)
             else:
