@@ -31,6 +31,7 @@ import torch
 from kvtier.app.cb_engine import ContinuousEngine, EngineOptions
 from kvtier.app.demo import DemoOptions, DemoReport, TurnResult, _load_average, _TIER_ORDER, clear_disk_tier, percentile
 from kvtier.app.models import load_model, render_chat
+from kvtier.connectors.hf_paged.models import check_model
 from kvtier.app.sharegpt import Conversation, select_conversations
 from kvtier.config import StoreConfig
 
@@ -143,6 +144,7 @@ def run_continuous_demo(options: DemoOptions, config: StoreConfig, cont: Continu
     if options.num_threads is not None:
         torch.set_num_threads(options.num_threads)
     model, tokenizer, model_id = load_model(options.model)
+    check_model(model, config.block_size)  # refuse before the pass without kvtier, not after it
     conversations, skipped = select_conversations(
         tokenizer, cont.users, options.num_turns, seed=options.seed, max_message_tokens=options.max_message_tokens,
         max_prompt_tokens=options.max_prompt_tokens, min_history_tokens=options.min_history_tokens,

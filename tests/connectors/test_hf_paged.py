@@ -278,7 +278,8 @@ def test_refuses_what_it_cannot_serve(model, connect, tmp_path):
     sliding = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                                            num_attention_heads=2, num_key_value_heads=1))
     sliding.config.layer_types = ["sliding_attention", "full_attention"]
-    with pytest.raises(UnsupportedModelError, match="full-attention"):
+    sliding.config.sliding_window = 8
+    with pytest.raises(UnsupportedModelError, match=r"full-attention models only.*sliding\(8\):0"):
         HFPagedConnector.from_model(sliding, store_config(tmp_path / "s"), model_id="x", model_revision="r")
 
 
@@ -360,3 +361,42 @@ def test_two_engines_share_blocks_through_remote(model, tmp_path):
     finally:
         first.close()
         second.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2", "mistral", "gemma2", "gemma3", "gpt-oss", "llama4", "deepseek-v3",
+                                  "mamba", "jamba", "bamba", "qwen3-next", "t5"])
+def test_families_it_cannot_serve_are_refused_by_name(name, tmp_path):
+    """The HF connector's family check comes first (same message); families the HF connector
+    serves but whose layers are not all full attention are refused by this connector, naming
+    their layer kinds, before a store is built."""
+    from kvtier.app.families import REFUSED, tiny_model
+
+    model = tiny_model(name)
+    expected = REFUSED[name].refusal if name in REFUSED else r"full-attention models only.*(sliding|chunked|mla)"
+    with pytest.raises(UnsupportedModelError, match=expected):
+        HFPagedConnector.from_model(model, store_config(tmp_path), model_id=name, model_revision="r")
+    assert not (tmp_path / "disk").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_full_attention_families_identical_with_hits(name, tmp_path):
+    """The families it accepts: a second pass over the same prompts is served from kvtier
+    (a new manager, so from kvtier's tiers, not transformers' paged cache) and its greedy
+    output equals transformers' continuous batching alone."""
+    from kvtier.app.families import VOCAB_SIZE, tiny_model
+
+    model = tiny_model(name)
+    prompts = [[3 + (7 * i + 11 * u) % (VOCAB_SIZE - 3) for i in range(50 + 13 * u)] for u in range(3)]
+    expected = baseline(model, [prompts])
+    conn = HFPagedConnector.from_model(model, store_config(tmp_path), model_id=name, model_revision="r")
+    try:
+        assert with_kvtier(conn, [prompts]) == expected
+        conn.detach()
+        assert with_kvtier(conn, [prompts]) == expected
+        stats = conn.admissions.stats
+        from_kvtier = sum(n for source, n in stats.cached_by_source.items() if source != PAGED)
+        assert from_kvtier >= sum((len(p) - 1) // PAGE * PAGE for p in prompts), stats
+    finally:
+        conn.close()

@@ -225,3 +225,20 @@ def test_parse_sampling_servers_take_temperature_and_refuse_greedy_and_seeds():
         assert err.value.status == 400 and err.value.param == param
     greedy = parse_chat_request(chat("x", temperature=0, top_p=1, seed=7), Limits((MODEL,), 1024))
     assert greedy.temperature is None and greedy.seed == 7
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", [
+    ["serve-model", "tiny-gemma2", "--port", "0"],
+    ["demo", "--engine", "continuous", "--model", "tiny-gpt-oss", "--users", "1", "--quick"],
+])
+def test_commands_refuse_a_family_the_paged_connector_cannot_serve(argv, tmp_path):
+    """A clean one-line error naming the layer kinds, before any server or pass starts."""
+    from click.testing import CliRunner
+
+    from kvtier.app.cli import main
+
+    result = CliRunner().invoke(main, [*argv, "--data-dir", str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    assert "full-attention models only" in result.output and "sliding(8)" in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)

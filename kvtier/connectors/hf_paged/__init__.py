@@ -10,8 +10,8 @@ for the supported transformers releases.
 
 from kvtier.connectors.hf_paged.admissions import PAGED, Admission, PagedStats
 from kvtier.connectors.hf_paged.compat import SUPPORTED_TRANSFORMERS, UnsupportedTransformersError, check_transformers
-from kvtier.connectors.hf_paged.connector import HFPagedConnector, check_model, page_size_of
-from kvtier.connectors.hf_paged.layout import UnsupportedModelError
+from kvtier.connectors.hf_paged.connector import HFPagedConnector, page_size_of
+from kvtier.connectors.hf_paged.models import UnsupportedModelError, check_model
 
 __all__ = [
     "PAGED",

@@ -25,7 +25,9 @@ Request flow (hooks on the manager, its paged cache and its scheduler; see :mod:
 Threads: 1 runs on the caller's thread, 2-4 on transformers' generation thread, the loads on
 the connector's prefetch threads and the store's I/O threads. Batch size, mixed prefill and
 decode steps and chunked prefill are transformers' own; the connector sees one request at a
-time. Full-attention models only (no sliding-window layers); block sharing must be allowed.
+time. Block sharing must be allowed.
+
+Which models: :func:`.models.check_model` (full attention in every layer; others refused).
 """
 
 from __future__ import annotations
@@ -40,16 +42,18 @@ from typing import Any, Sequence
 import torch
 
 from kvtier.config import StoreConfig
-from kvtier.connectors.hf import kv_spec_for, weights_fingerprint
+from kvtier.connectors.hf import weights_fingerprint
+from kvtier.connectors.hf_cache import UnsupportedModelError
 from kvtier.connectors.hf_paged.admissions import PAGED, Admission, Admissions
 from kvtier.connectors.hf_paged.compat import check_transformers
 from kvtier.connectors.hf_paged.hooks import Hooks
-from kvtier.connectors.hf_paged.layout import PagedLayout, UnsupportedModelError, make_layout
+from kvtier.connectors.hf_paged.layout import PagedLayout, make_layout
+from kvtier.connectors.hf_paged.models import check_model
 from kvtier.connectors.hf_paged.tickets import Tickets
 from kvtier.hashing import KeyContext, block_hashes_for, hash_block_tokens
 from kvtier.kernels import gather_blocks_to_paged, scatter_paged_to_blocks
 from kvtier.store import LoadResult, TieredStore
-from kvtier.types import KV_LAYOUT, BlockHash, dtype_name
+from kvtier.types import BlockHash, dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -60,22 +64,6 @@ class _Progress:
 
     hashes: list[BlockHash] = field(default_factory=list)
     stored: int = 0
-
-
-def check_model(model: torch.nn.Module) -> None:
-    """Raise :class:`UnsupportedModelError` unless every layer is full attention (the layer
-    grouping transformers' paged cache applies: ``layer_types``, else ``sliding_window``)."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    layer_types = getattr(cfg, "layer_types", None)
-    if layer_types is not None:
-        kinds = set(layer_types)
-    else:
-        kinds = {"sliding_attention" if getattr(cfg, "sliding_window", None) is not None else "full_attention"}
-    if kinds != {"full_attention"}:
-        raise UnsupportedModelError(
-            f"kvtier's continuous-batching connector serves full-attention models only; "
-            f"{type(model).__name__} has layer types {sorted(kinds)}"
-        )
 
 
 class HFPagedConnector:
@@ -90,17 +78,18 @@ class HFPagedConnector:
 
     Raises:
         UnsupportedTransformersError: transformers outside the supported range (:mod:`.compat`).
-        UnsupportedModelError: a model with sliding-window (or other non-full) layers.
-        ValueError: a spec, namespace or ``load_deadline_s`` that does not fit.
+        UnsupportedModelError: a model the connector cannot serve exactly (:func:`check_model`).
+        ValueError: a spec, layout, namespace or ``load_deadline_s`` that does not fit.
     """
 
     def __init__(self, model: torch.nn.Module, store: TieredStore, key_context: KeyContext,
                  load_deadline_s: float = 2.0) -> None:
         self.generation = check_transformers()
-        check_model(model)
-        spec = kv_spec_for(model, store.spec.block_size)
+        spec = check_model(model, store.spec.block_size)
         if spec != store.spec:
             raise ValueError(f"expected a store for {spec}, got {store.spec}")
+        if key_context.kv_layout != spec.layout_name:
+            raise ValueError(f"expected key_context.kv_layout {spec.layout_name!r}, got {key_context.kv_layout!r}")
         if key_context.block_size != spec.block_size or key_context.namespace() != store.namespace:
             raise ValueError("expected the store's namespace to be key_context.namespace()")
         if not 0 <= load_deadline_s < float("inf"):
@@ -127,13 +116,12 @@ class HFPagedConnector:
         arguments, so blocks stored by either connector are hits for the other.
         ``model_revision`` defaults to :func:`~kvtier.connectors.hf.weights_fingerprint`."""
         check_transformers()
-        check_model(model)
         config = config or StoreConfig.from_env()
-        spec = kv_spec_for(model, config.block_size)
+        spec = check_model(model, config.block_size)
         key_context = KeyContext(
             model_id=model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__,
             model_revision=model_revision or weights_fingerprint(model), dtype=dtype_name(spec.dtype),
-            kv_layout=KV_LAYOUT, block_size=config.block_size, cache_salt=cache_salt, hash_name=config.hash_name,
+            kv_layout=spec.layout_name, block_size=config.block_size, cache_salt=cache_salt, hash_name=config.hash_name,
         )
         store = TieredStore(spec, config, key_context.namespace(), device=model.device)
         try:

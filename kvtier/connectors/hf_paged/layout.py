@@ -33,11 +33,11 @@ from typing import Any, Protocol
 
 import torch
 
+from kvtier.connectors.hf_cache import UnsupportedModelError
+
+__all__ = ["AllocatorsLayout", "BlockManagerLayout", "PagedLayout", "UnsupportedModelError", "make_layout"]
+
 Views = tuple[list[torch.Tensor], list[torch.Tensor]]
-
-
-class UnsupportedModelError(ValueError):
-    """The model's cache is not one the connector can serve exactly (e.g. sliding-window layers)."""
 
 
 class PagedLayout(Protocol):
