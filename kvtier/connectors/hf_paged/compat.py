@@ -13,7 +13,7 @@ releases whose internals it was built and tested against. Two generations exist:
   the page size is ``ContinuousBatchingConfig.page_size``.
 
 :func:`check_transformers` raises :class:`UnsupportedTransformersError` (naming the version
-found and the supported range) before anything is hooked; tests/connectors/test_hf_paged_contract.py
+found and the supported range) before anything is hooked; tests/unit/connectors/test_hf_paged_contract.py
 checks every internal the connector touches on the installed release and names the one that
 moved when a release changes it.
 """
@@ -24,7 +24,7 @@ from typing import Literal
 
 SUPPORTED_TRANSFORMERS = ">=5.17,<5.25"
 """The releases whose continuous-batching internals the connector was checked against; the
-``continuous`` extra in pyproject.toml pins the same range (tests/connectors/test_hf_paged_contract.py)."""
+``continuous`` extra in pyproject.toml pins the same range (tests/unit/connectors/test_hf_paged_contract.py)."""
 
 Generation = Literal["block_manager", "allocators"]
 
