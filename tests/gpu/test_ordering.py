@@ -275,7 +275,7 @@ def test_connector_round_trip_is_exact_from_gpu_and_cpu(tmp_path, device, comput
         gpu_bytes=num_blocks * block_nbytes, cpu_bytes=4 * num_blocks * block_nbytes, disk_bytes=0,
         block_size=block_size, data_dir=tmp_path,
     )
-    connector = HFConnector.from_model(model, config, model_id="tiny-llama-gpu")
+    connector = HFConnector.from_model(model, config, model_id="tiny-llama-gpu", emulate_gpu=True)  # no-op on CUDA
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (1, num_blocks * block_size + 4), generator=g).to(device) for _ in range(2)]
     try:
