@@ -55,7 +55,11 @@ MODEL_ID = "llama-3.1-8b-architecture-dummy"
 def missing() -> str | None:
     """Why the vLLM case cannot run here, or ``None``."""
     for name, why in (("vllm", "vLLM is not installed"), ("lmdb", "lmdb (kvtier's DISK tier) is not installed")):
-        if importlib.util.find_spec(name) is None:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a broken install, or an import hook refusing it
+            found = False
+        if not found:
             return why
     return None
 
