@@ -213,7 +213,7 @@ def vllm_rows(results: dict[str, dict], suffix_tokens: int) -> list[Row]:
             rows.append(Row(f"{label}: kvtier CPU-pool hit", statistics.median(t["ttft_s"] for t in later) * 1e3, "ms",
                             base_ms, name))
         if own:
-            rows.append(Row(f"{label}: vLLM's own prefix cache hit (GPU)", own[0]["ttft_s"] * 1e3, "ms", base_ms, name))
+            rows.append(Row(f"{label}: vLLM's own prefix cache hit", own[0]["ttft_s"] * 1e3, "ms", base_ms, name))
         rows.append(Row(f"{label}: tokens kvtier loaded, first turn", float(_loaded(first)), "tokens", float(cached),
                         "history tokens"))
         for a, b in zip(kvtier_turns, full):
