@@ -23,7 +23,7 @@ import torch
 
 from kvtier.connectors.vllm.copies import PagedCopies
 from kvtier.connectors.vllm.layout import flash_block_views, kv_spec_for_caches
-from tests.connectors.vllm_layouts import layer_caches
+from tests.unit.connectors.vllm_layouts import layer_caches
 from tests.gpu.conftest import GPU_ONLY, HAS_CUDA
 
 pytestmark = GPU_ONLY

@@ -1,4 +1,4 @@
-"""Contract: what ``tests/connectors/vllm_layouts.py`` reproduces of vLLM 0.32's CUDA KV caches
+"""Contract: what ``tests/unit/connectors/vllm_layouts.py`` reproduces of vLLM 0.32's CUDA KV caches
 is what the real package does, and the connector's FLASH_ATTN / FLASHINFER block views are the
 tensors vLLM's own cache-update code writes.
 
@@ -35,7 +35,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from kvtier.connectors.vllm.layout import flash_block_views  # noqa: E402
-from tests.connectors.vllm_layouts import LAYOUTS, CROSS_LAYER, layer_caches, layer_view_order  # noqa: E402
+from tests.unit.connectors.vllm_layouts import LAYOUTS, CROSS_LAYER, layer_caches, layer_view_order  # noqa: E402
 
 LAYERS, NUM_BLOCKS, HEADS, BLOCK, HEAD = 3, 5, 2, 32, 64
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]

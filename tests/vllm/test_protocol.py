@@ -24,7 +24,7 @@ from kvtier.connectors.vllm.options import ConnectorOptions
 from kvtier.connectors.vllm.scheduler import SchedulerSide
 from kvtier.connectors.vllm.worker import WorkerSide
 from kvtier.testing.faults import Fault, FaultPlan, inject_disk_faults
-from tests.connectors.vllm_layouts import layer_caches
+from tests.unit.connectors.vllm_layouts import layer_caches
 
 BLOCK, HEADS, HEAD_DIM, LAYERS, NUM_PAGED = 32, 2, 64, 3, 24
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
