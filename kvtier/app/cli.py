@@ -4,6 +4,8 @@ Commands:
     demo    multi-turn ShareGPT chats with and without kvtier: TTFT, hits per tier, identity.
     serve   the cache daemon: a shared KV cache over HTTP (kvtier.server).
     stats   hit rate, hits per tier, occupancy, bytes moved: tables from a daemon or a data dir.
+    explain block by block, where a prompt would hit and why the rest would miss.
+    replay  hit rate per tier against capacity (kvtier's SLRU and LRU) from a trace: sizing.
 
 Store options (``--gpu-bytes`` ... ``--flush-on-close``) map one to one onto
 :class:`kvtier.config.StoreConfig` fields and their ``KVTIER_*`` environment variables.
@@ -278,9 +280,13 @@ def _x(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
 
 
+from kvtier.app.explain_cli import explain as _explain  # noqa: E402  (kvtier explain)
+from kvtier.app.replay_cli import replay as _replay  # noqa: E402  (kvtier replay)
 from kvtier.app.stats_cli import stats as _stats  # noqa: E402  (kvtier stats)
 
 main.add_command(_stats)
+main.add_command(_explain)
+main.add_command(_replay)
 
 if __name__ == "__main__":
     main()

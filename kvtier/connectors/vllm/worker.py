@@ -50,6 +50,7 @@ from kvtier.connectors.vllm.layout import block_views, kv_spec_for_caches
 from kvtier.connectors.vllm.lookup import LookupServer, MatchReply
 from kvtier.connectors.vllm.metadata import KVTierMetadata
 from kvtier.connectors.vllm.options import ConnectorOptions
+from kvtier.connectors.ttft import PrefillRate
 from kvtier.store import Lease, PrefetchHandle, StoreHandle, TieredStore
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,8 @@ class WorkerSide:
         self._save: _StepSave | None = None
         self._load_errors: set[int] = set()
         self._deferred: list[tuple[Fence, Callable[[], None]]] = []  # run once the fence is done
+        self.prefill_rate = PrefillRate()
+        self._step: list[float] | None = None  # [start, prompt tokens, loaded tokens, load s] of this step
 
     # -- set-up ------------------------------------------------------------------------------
     def register_kv_caches(
@@ -165,6 +168,7 @@ class WorkerSide:
         spec = kv_spec_for_caches(self._caches, self.block_size)
         self.store = TieredStore(spec, self.options.store, self.engine_key.namespace(tp_rank), device="cpu")
         self.copies = PagedCopies(self.store.top.tensor, keys, values, self.options.staging_bytes, staged=staged)
+        self.store.name = self.engine_key.model_id
         self.server = LookupServer(self.socket_path, self.handle)
         logger.info(
             "kvtier: %s on %s, %d layers, block %d tokens (%.1f MiB), CPU pool %d blocks, DISK %s%s; lookups on %s",
@@ -214,11 +218,14 @@ class WorkerSide:
     # -- loads -------------------------------------------------------------------------------
     def start_load_kv(self, meta: KVTierMetadata) -> None:
         """Release dropped matches; plan this step's copies into vLLM's cache (staged: enqueue them)."""
+        started = time.perf_counter()
+        self._step = [started, meta.prefill_tokens, 0, 0.0]
         self._poll()
         for req_id in meta.drops:
             self._drop(req_id)
         if not meta.loads:
             return
+        self._step[2] = sum(len(spec.block_ids) for spec in meta.loads) * self.block_size
         pool_ids: list[int] = []
         paged_ids: list[int] = []
         leases: list[Lease] = []
@@ -252,6 +259,8 @@ class WorkerSide:
                 logger.exception("kvtier: enqueueing this step's loads failed; vLLM recomputes them")
                 self.copies.settle()
                 self._fail_load(load)
+        self._step[2] = len(pool_ids) * self.block_size
+        self._step[3] += time.perf_counter() - started
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Copy layer ``layer_name`` of this step's loads into vLLM's cache."""
@@ -265,11 +274,14 @@ class WorkerSide:
         if load.fence is not None:  # staged: the whole load was enqueued by start_load_kv
             load.fence.wait_ready()
             return
+        started = time.perf_counter()
         try:
             self.copies.load_layer(index, load.pool_ids, load.paged_ids)
         except Exception:
             logger.exception("kvtier: copying layer %s into vLLM's cache failed; vLLM recomputes", layer_name)
             self._fail_load(load)
+        if self._step is not None:
+            self._step[3] += time.perf_counter() - started
 
     def _fail_blocks(self, paged_ids: list[int]) -> None:
         self._load_errors.update(int(i) for i in paged_ids)
@@ -361,7 +373,10 @@ class WorkerSide:
     def wait_for_save(self) -> None:
         """End of step: finish loads, publish (or discard) this step's saves."""
         load_failed = self._load is not None and self._load.failed
+        if load_failed and self._step is not None:
+            self._step[2] = 0  # recomputed: nothing saved
         self._finish_load()
+        self._count_step()
         save, self._save = self._save, None
         if save is not None and save.handle is not None:  # else nothing new, or no forward this step
             self._finish_save(save, ok=all(save.layers_done) and not load_failed)
@@ -387,6 +402,17 @@ class WorkerSide:
             self._deferred.append((fence, publish))
         else:
             publish()
+
+    def _count_step(self) -> None:
+        """This step's prompt tokens and the TTFT its kvtier loads saved (kvtier.connectors.ttft):
+        the step's forward time, less the load copies, fits the prefill rate."""
+        step, self._step = self._step, None
+        if step is None or not step[1] or self.store is None:
+            return
+        started, prompt_tokens, loaded_tokens, load_s = step
+        self.prefill_rate.observe(int(prompt_tokens), time.perf_counter() - started - load_s)
+        saved, lost = self.prefill_rate.saving(int(loaded_tokens), load_s)
+        self.store.record_computed_tokens(int(prompt_tokens), ttft_saved_s=saved, ttft_lost_s=lost)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> None:
