@@ -60,7 +60,7 @@ from kvtier.connectors.hf_cache import (
 )
 from kvtier.connectors.ttft import ForwardTimer, PrefillRate
 from kvtier.hashing import KeyContext, block_hashes_for, content_keys
-from kvtier.store import PrefetchHandle, TieredStore
+from kvtier.store import PrefetchHandle, ResetResult, TieredStore
 from kvtier.store.misses import Explanation
 from kvtier.store.results import PromptInfo
 from kvtier.tiers.backend import RemoteBackend
@@ -354,6 +354,14 @@ class HFConnector:
 
         with torch.no_grad():
             return self.store.store_with(block_hashes, write, prompt=self._prompt_info(tokens[:num_tokens]))
+
+    def reset(self, remote: bool = True) -> ResetResult:
+        """Empty every tier of the store (:meth:`TieredStore.reset`; ``remote``: the REMOTE
+        namespace too, for every process sharing it): the next prompts miss. A ticket from
+        :meth:`prefetch` taken before loads nothing (``before_prefill`` computes the whole
+        prompt). Use it after changing the model's weights in place without a new
+        ``model_revision``."""
+        return self.store.reset(remote)
 
     def close(self) -> None:
         self._count_prefill()

@@ -9,6 +9,11 @@ walk the chain here, so the hit rate users see is the same whichever they call:
 3. under the lock: the local tiers again after the REMOTE run (the prefix is whatever every
    tier holds together), then 2 again, until a tier misses.
 
+A walk that a reset overtakes (``TieredStore.reset``: a new generation, see
+:mod:`kvtier.store.residency`) stops at its REMOTE part, and no walk asks REMOTE while a reset
+empties the REMOTE namespace (``remote_clearing``): a block from before the reset is never
+found there.
+
 Counting (``stats``): ``lookup_blocks`` (blocks asked), ``hit_blocks`` by medium,
 ``remote_lookup_blocks`` (blocks asked of REMOTE), and ``miss_tokens`` by reason and tier for
 the blocks after the hit prefix (:mod:`kvtier.store.misses`; with a ``PromptInfo``, also the
@@ -49,6 +54,8 @@ class Walk(NamedTuple):
     """The REMOTE tier failed to answer (down, timed out, paused after a failure)."""
     counted: bool
     """This walk was counted in ``stats`` (not a repeat of a counted request id)."""
+    generation: int = 0
+    """The store's generation the walk saw (:meth:`TieredStore.reset` starts a new one)."""
 
 
 class ChainLookup:
@@ -74,19 +81,24 @@ class ChainLookup:
         self.trace: StoreTrace | None = None
         """Where counted walks are recorded (``config.trace_path``), if anywhere."""
         self._counted_requests: dict[str, None] = {}  # insertion-ordered, bounded
+        self.remote_clearing = 0
+        """Resets emptying the REMOTE namespace right now (set by the store under its lock):
+        REMOTE is not asked meanwhile."""
 
     def walk(
         self, block_hashes: Sequence[BlockHash], request_id: str | None = None, count: bool = True,
         pin: bool = False, blocking: bool = True, prompt: PromptInfo | None = None, load: bool = False,
     ) -> Walk | None:
-        """The leading blocks some tier holds (see :class:`Walk`). ``blocking=False``:
-        ``None`` at once if another thread holds the lock, and REMOTE is not asked (an event
-        loop calls it inline: the daemon). ``load``: a prefetch (so traced)."""
+        """The leading blocks some tier holds, and the store's generation the walk saw (see
+        :class:`Walk`). ``blocking=False``: ``None`` at once if another thread holds the
+        lock, and REMOTE is not asked (an event loop calls it inline: the daemon). ``load``:
+        a prefetch (so traced)."""
         lock, stats = self._residency.lock, self._stats
         if not lock.acquire(blocking=blocking):
             return None
         try:
             self._check_open()
+            generation = self._residency.generation
             media = self._placement.local_prefix(block_hashes)
             lease = self._residency.lease(block_hashes[: len(media)]) if pin and media else None
             count = count and self._first_count(request_id)
@@ -96,7 +108,9 @@ class ChainLookup:
                 if self.trace is not None:
                     num_tokens = prompt.num_tokens if prompt is not None else None
                     self.trace.record("load" if load else "lookup", block_hashes, num_tokens)
-            asks_remote = blocking and self._remote is not None and len(media) < len(block_hashes)
+            asks_remote = (
+                blocking and self._remote is not None and not self.remote_clearing and len(media) < len(block_hashes)
+            )
             if count and not asks_remote:
                 self._count_misses(block_hashes, len(media), False, prompt)
         finally:
@@ -106,6 +120,8 @@ class ChainLookup:
             rest = block_hashes[len(media) :]
             num_remote, remote_down = self._remote_lookup(rest)
             with lock:
+                if not self._residency.is_current(generation):
+                    break  # a reset came in between: the REMOTE answer may predate it
                 if count:
                     stats.remote_lookup_blocks += len(rest)
                     stats.hit_blocks[Medium.REMOTE] += num_remote
@@ -117,7 +133,7 @@ class ChainLookup:
                         self._count_misses(block_hashes, len(media), remote_down, prompt)
             if not more or len(media) == len(block_hashes):
                 break
-        return Walk(media, lease, remote_down, count)
+        return Walk(media, lease, remote_down, count, generation)
 
     def _count_misses(
         self, block_hashes: Sequence[BlockHash], num_hit: int, remote_down: bool, prompt: PromptInfo | None
@@ -150,7 +166,9 @@ class ChainLookup:
         try:
             num_hit = int(remote.lookup(self._namespace, block_hashes))
         except Exception as exc:  # a backend bug or a reply it did not expect: a miss, not an error
-            logger.warning("REMOTE lookup failed: %r", exc)
+            # Log its text, not the exception: a handler that keeps records (pytest's does)
+            # would keep its traceback, the caller's frame and the lease pinned in it.
+            logger.warning("REMOTE lookup failed: %s", repr(exc))
             remote.errors["lookup_error"] += 1
             return 0, True
         return min(max(num_hit, 0), len(block_hashes)), sum(remote.errors.values()) > errors_before

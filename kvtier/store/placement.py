@@ -243,7 +243,7 @@ class Placement:
             try:
                 ok = self.disk.write_batch(puts, deletes=victims if start == 0 else ())
             except Exception as exc:  # never into the inference loop: the blocks are just not on DISK
-                logger.warning("DISK spill of %d blocks failed: %r", len(puts), exc)
+                logger.warning("DISK spill of %d blocks failed: %s", len(puts), repr(exc))  # text: see lookup.py
                 ok, reason = [False] * len(puts), "error"
             else:
                 reason = "full"

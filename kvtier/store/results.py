@@ -119,9 +119,29 @@ class StoreHandle:
     lease: Lease
     abandon: Any = None
     """Finalizer that frees the slots if the handle is dropped without ``complete_store``."""
+    generation: int = 0
+    """The store's generation when the slots were reserved: completed after a reset (a newer
+    generation), the handle publishes nothing."""
     parent: BlockHash | None = None
     """The request's block before ``block_hashes[0]`` when known (a later chunk of a
     ``store_with``): the parent of its KV event (kvtier.store.events)."""
+
+
+@dataclass(slots=True)
+class ResetResult:
+    """What :meth:`TieredStore.reset` emptied.
+
+    Attributes:
+        dropped_blocks: blocks dropped per tier (``"GPU"``, ``"CPU"``, ``"DISK"``, and
+            ``"REMOTE"`` when the REMOTE namespace was emptied: blocks the backend deleted).
+        remote_cleared: ``True`` when the REMOTE namespace was emptied; ``False`` when the
+            backend cannot empty a namespace or could not be reached (the blocks there stay
+            until they are evicted; call reset again); ``None``: no REMOTE tier, or
+            ``reset(remote=False)``.
+    """
+
+    dropped_blocks: dict[str, int]
+    remote_cleared: bool | None
 
 
 @dataclass

@@ -4,7 +4,8 @@
 writes ``top.tensor[handle.block_ids]``; ``complete`` publishes them (a store counts as a use,
 tail first: case E1), starts the background writes (write-through, REMOTE put), or frees the
 slots when the write failed. A handle dropped without ``complete`` frees its slots from its
-finalizer. ``store_with`` runs both steps in chunks of half the top pool, so that a request
+finalizer. A handle completed after a reset (an older generation: see
+:mod:`kvtier.store.residency`) publishes nothing and writes nothing down. ``store_with`` runs both steps in chunks of half the top pool, so that a request
 longer than the top pool still goes through (earlier chunks spill down); the chunks already
 stored are protected from being dropped, so a request larger than every tier keeps its head
 (what a later prompt can hit), not its tail.
@@ -76,9 +77,10 @@ class StorePath:
                     block_ids.append(block_id)
                     indices.append(i)
                 chain.append(h)
-            handle = StoreHandle(new_hashes, block_ids, indices, len(chain), residency.lease(chain))
+            generation = residency.generation
+            handle = StoreHandle(new_hashes, block_ids, indices, len(chain), residency.lease(chain), generation=generation)
             handle.abandon = weakref.finalize(
-                handle, residency.defer_or_run, partial(residency.free_pending, top, new_hashes)
+                handle, residency.defer_or_run, partial(residency.free_pending, top, new_hashes, generation)
             )
             present.release()
             return handle
@@ -90,8 +92,8 @@ class StorePath:
             top = placement.top
             if handle.abandon is not None:
                 handle.abandon.detach()
-            if not success:
-                residency.free_pending(top, handle.block_hashes)
+            if not success or not residency.is_current(handle.generation):
+                residency.free_pending(top, handle.block_hashes, handle.generation)
                 handle.lease.release()
                 return
             for h in handle.block_hashes:

@@ -15,6 +15,7 @@ Protocol (the order every caller follows; vLLM kv_offload/abstract.py names the 
     (caller writes top.tensor[handle.block_ids])
     complete_store(handle, ok)                        publishes (or frees) them
     store(block_hashes, blocks) / store_with(block_hashes, write)   both store steps, chunked
+    reset()                                           every tier empty (kvtier.store.reset)
 
 The work is done by the modules below this one (listed in :mod:`kvtier.store`); none
 reaches into another's private names. Tiers are named by where they live: a GPU pool exists
@@ -39,13 +40,16 @@ import torch
 from kvtier.checks import check_block_hashes, check_namespace
 from kvtier.config import StoreConfig
 from kvtier.store import misses
-from kvtier.store.events import EventBatch, KVEventPublisher
+from kvtier.store.events import AllBlocksCleared, EventBatch, KVEventPublisher
 from kvtier.store.lookup import ChainLookup
 from kvtier.store.misses import Explanation, MissMemory
 from kvtier.store.placement import Placement, make_pools
 from kvtier.store.prefetch import Prefetcher, PrefetchHandle
+from kvtier.store.reset import empty_local_tiers, empty_remote
 from kvtier.store.residency import Residency
-from kvtier.store.results import LoadResult, LookupResult, PromptInfo, StoreHandle, StoreStats, check_connector_counts
+from kvtier.store.results import (
+    LoadResult, LookupResult, PromptInfo, ResetResult, StoreHandle, StoreStats, check_connector_counts,
+)
 from kvtier.store.stores import StorePath
 from kvtier.store.trace import open_trace
 from kvtier.store.writes import BackgroundWrites
@@ -115,7 +119,13 @@ class TieredStore:
         self._lookups.trace = self.trace
         self._start_io()
         ref = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: (store := ref()) is not None and store._after_fork_in_child())
+        # The forking thread holds the store's lock across fork(): no other thread is then in
+        # the middle of changing the pools or the pins, so the child's copy is consistent.
+        os.register_at_fork(
+            before=lambda: (store := ref()) is not None and store.residency.lock.acquire(),
+            after_in_parent=lambda: (store := ref()) is not None and store.residency.lock.release(),
+            after_in_child=lambda: (store := ref()) is not None and store._after_fork_in_child(),
+        )
         self.observe: Callable[[str, float], None] | None = None
         """Latency hook: ``observe(op, seconds)`` after each ``lookup``, ``load`` (prefetch
         submit to ``wait`` done) and ``store`` (``store``/``store_with``); kvtier.metrics
@@ -214,7 +224,7 @@ class TieredStore:
         with self.residency.lock:
             self._check_open()
             self._writes.reap()
-            return self._prefetcher.plan(block_hashes, walk.media, walk.counted, self.namespace)
+            return self._prefetcher.plan(block_hashes, walk.media, walk.counted, self.namespace, walk.generation)
 
     def load(
         self, block_hashes: Sequence[BlockHash], request_id: str | None = None, count: bool = True,
@@ -321,8 +331,38 @@ class TieredStore:
                 self.stats.ttft_lost_s += float(ttft_lost_s)
 
     # -- lifecycle ---------------------------------------------------------------------------
-    # (A future ``reset()`` belongs here: under the lock, reap and wait the background writes,
-    # then empty the pools, DISK and the residency state, as close() tears them down.)
+    def reset(self, remote: bool = True) -> ResetResult:
+        """Empty every tier for this store: the memory pools, its DISK records and (with
+        ``remote``, when the backend can) its REMOTE namespace, for every process sharing it.
+        Counters are kept; usage goes to 0. What is in flight (:mod:`kvtier.store.reset`):
+        a prefetch publishes nothing (its ``wait()`` is an empty LoadResult) and frees its
+        slots; a store prepared before publishes nothing; a LoadResult's blocks keep their
+        bytes until its lease is released; background writes land before the reset.
+
+        Raises:
+            RuntimeError: the store is closed, or this is a forked child (DISK is read-only
+                here; nothing was changed).
+        """
+        with self.residency.lock:
+            self._check_open()
+            self._writes.reap(wait=True)  # in flight: land now, never after the reset
+            dropped = empty_local_tiers(self.pools, self.disk, self.residency)
+            if self.events.active:  # subscribers (a router) forget every block of this store
+                self.events.publish([AllBlocksCleared()])
+            clear_remote = remote and self.remote is not None
+            if clear_remote:
+                self._lookups.remote_clearing += 1
+        if not clear_remote:
+            return ResetResult(dropped, None)
+        try:
+            removed = empty_remote(self.remote, self.namespace)
+        finally:
+            with self.residency.lock:
+                self._lookups.remote_clearing -= 1
+        if removed is not None:
+            dropped["REMOTE"] = removed
+        return ResetResult(dropped, removed is not None)
+
     def wait_for_writes(self) -> None:
         """Block until background writes (write-through to DISK, puts to REMOTE) are done
         and released."""
@@ -386,8 +426,11 @@ class TieredStore:
     def _after_fork_in_child(self) -> None:
         """A forked child may read (its own read-only DISK view, new I/O threads: the
         parent's do not exist in the child) and use its copies of the memory tiers; it never
-        writes the parent's DISK directory (guarantee 5, docs/reliability.md)."""
-        self.residency.after_fork_in_child()
+        writes the parent's DISK directory (guarantee 5, docs/reliability.md). It starts with
+        no pin and no pending slot: those of the parent's prefetches and stores are dropped
+        and their slots freed, and their handles are inert here (kvtier.store.residency)."""
+        self.residency.after_fork_in_child(self.pools)  # no pin or pending slot of the parent's threads
+        self._lookups.remote_clearing = 0
         self._executor = ThreadPoolExecutor(self.config.num_io_threads, thread_name_prefix="kvtier-io")
         if self._closed:
             return

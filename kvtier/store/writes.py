@@ -42,7 +42,8 @@ class BackgroundWrites:
         return bool(self._jobs)
 
     def after_fork_in_child(self, engine: TransferEngine) -> None:
-        """The parent's jobs do not exist in a forked child; its pins stay (never released)."""
+        """The parent's jobs do not exist in a forked child (their pins were dropped with
+        the parent's generation: kvtier.store.residency)."""
         self._jobs.clear()
         self._placement.disk_in_flight.clear()
         self.engine = engine

@@ -217,7 +217,8 @@ def register_handlers(
     engine: TransferEngine, pools: list[BlockPool], disk: DiskTier | None, remote: RemoteBackend | None,
     namespace: bytes, executor: ThreadPoolExecutor,
 ) -> TransferEngine:
-    """Register a handler for every (source, destination) medium pair a store uses."""
+    """Register a handler for every (source, destination) medium pair a store uses (the
+    memory pools, top first; DISK and REMOTE when present)."""
     for upper, lower in zip(pools, pools[1:]):
         # loads record one event per layer, so layer i can be used before layer i+1 lands
         engine.register(lower.medium, upper.medium, PoolCopyHandler(lower, upper, per_layer=True))

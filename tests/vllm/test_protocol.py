@@ -326,3 +326,19 @@ def test_a_retry_with_a_longer_vllm_hit_replaces_the_match(make_engine) -> None:
     assert engine.scheduler.get_num_new_matched_tokens(request, 2 * BLOCK) == (2 * BLOCK, False)
     assert [engine.store.ref_cnt(h) for h in chain] == [0, 0, 1, 1]
     assert engine.worker.counters.matches == matches + 2
+
+
+def test_reset_drops_matches_and_a_load_planned_before_it_is_reported(make_engine) -> None:
+    tokens = prompt(4 * BLOCK + 3)
+    engine = stored_engine(make_engine, tokens, [0, 1, 2, 3, 4])
+    request = make_request("r-before", tokens)
+    table = [10, 11, 12, 13, 14]
+    assert engine.admit(request, table) == 4 * BLOCK  # matched (pinned in the worker) before the reset
+    assert engine.scheduler.client.reset() is True
+    assert {tier: u["blocks"] for tier, u in engine.store.usage().items()} == {"CPU": 0, "DISK": 0}
+    _, errors = engine.step([(request, 4 * BLOCK, 3)])
+    assert errors == set(table[:4])  # never decoded: vLLM recomputes them
+    assert engine.store.usage()["CPU"]["blocks"] == 0  # computed on failed loads: not saved
+    again = make_request("r-after", tokens)
+    assert engine.admit(again, [15, 16, 17, 18, 19]) == 0
+    engine.store.check_invariants()

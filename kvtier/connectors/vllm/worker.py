@@ -2,6 +2,10 @@
 
 Protocol per request (see :mod:`kvtier.connectors.vllm.scheduler` for the scheduler's half):
 
+- ``reset`` (lookup server thread, from the scheduler's ``reset_cache``): the store is
+  emptied (``TieredStore.reset``) and every match is dropped, so no block matched before the
+  reset is loaded after it (a load planned on one is reported as a load error: vLLM
+  recomputes it); a save prepared before it publishes nothing.
 - ``match`` (lookup server thread): ``store.prefetch`` pins the cached chain and starts
   reading DISK/REMOTE blocks into the CPU pool; the answer is the number of blocks that
   arrived and were verified, once the reads are done. The blocks stay pinned in a *ticket*
@@ -183,8 +187,11 @@ class WorkerSide:
         if op == "drop":
             self._drop(req_id)
             return 0, []
+        if op == "reset":
+            self.reset()
+            return 0, []
         if op != "match":
-            raise ValueError(f"expected op 'match' or 'drop', got {op!r}")
+            raise ValueError(f"expected op 'match', 'drop' or 'reset', got {op!r}")
         assert self.store is not None, "lookup before register_kv_caches"
         with self._lock:
             ticket = self._tickets.get(req_id)
@@ -208,6 +215,17 @@ class WorkerSide:
             self._drop(req_id)
             return 0, []
         return len(result.block_ids), [str(m) for m in result.sources]
+
+    def reset(self) -> None:
+        """Empty the store's tiers (REMOTE namespace included) and drop every match."""
+        if self.store is None:
+            return
+        result = self.store.reset()
+        with self._lock:
+            tickets, self._tickets = list(self._tickets.values()), {}
+        for ticket in tickets:
+            ticket.release()  # from before the reset: empty, or pins on blocks no tier holds now
+        logger.info("kvtier: reset: dropped %s (REMOTE emptied: %s)", result.dropped_blocks, result.remote_cleared)
 
     def _drop(self, req_id: str) -> None:
         with self._lock:

@@ -231,3 +231,22 @@ def test_prefetch_ticket_is_used_by_before_prefill(model, tmp_path):
     assert plan2.num_cached_tokens == 80
     assert all(second.store.ref_cnt(h) == 0 for h in second.block_hashes(ids[0]))
     second.close()
+
+
+def test_reset_empties_the_store_and_a_ticket_from_before_loads_nothing(model, connector):
+    ids = prompt(60, seed=12)
+    cold, _ = generate(model, ids)
+    generate(model, ids, connector)
+    ticket = connector.prefetch(ids)  # taken before the reset: must load nothing after it
+    assert ticket.handle.num_blocks == 3
+    result = connector.reset()
+    assert result.dropped_blocks["CPU"] >= 3 and result.remote_cleared is None  # (a model on CPU: no GPU pool)
+    assert all(u["blocks"] == 0 for u in connector.store.usage().values())
+    plan = connector.before_prefill(ids, ticket)
+    assert plan.num_cached_tokens == 0
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, **plan.generate_kwargs())
+    assert out[0, ids.shape[1]:].tolist() == cold
+    connector.after_request(out[0], plan.cache)
+    warm, plan = generate(model, ids, connector)  # stored again after the reset: hits again
+    assert plan.num_cached_tokens == 48 and warm == cold
