@@ -275,7 +275,7 @@ def test_connector_round_trip_is_exact_from_gpu_and_cpu(tmp_path, device, comput
         gpu_bytes=num_blocks * block_nbytes, cpu_bytes=4 * num_blocks * block_nbytes, disk_bytes=0,
         block_size=block_size, data_dir=tmp_path,
     )
-    connector = HFConnector.from_model(model, config, model_id="tiny-llama-gpu")
+    connector = HFConnector.from_model(model, config, model_id="tiny-llama-gpu", emulate_gpu=True)  # no-op on CUDA
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (1, num_blocks * block_size + 4), generator=g).to(device) for _ in range(2)]
     try:
@@ -292,6 +292,11 @@ def test_connector_round_trip_is_exact_from_gpu_and_cpu(tmp_path, device, comput
                         other = model(prompts[1], use_cache=True)
                     other_cache = other.cache if getattr(other, "cache", None) is not None else other.past_key_values
                     assert connector.after_request(prompts[1][0], other_cache) == num_blocks
+                    # The hit above protects part of the first prompt's blocks from the second's
+                    # store (SLRU): evict what is left of them in the GPU pool (it spills).
+                    store = connector.store
+                    with store.residency.lock:
+                        store.placement.make_room(0, store.top.num_blocks)
                 plan = connector.before_prefill(prompts[0])
                 assert plan.num_cached_tokens == num_blocks * block_size
                 assert plan.sources == [medium] * num_blocks

@@ -1,6 +1,8 @@
 """The connector's two sides without an engine: the scheduler side and the worker side (with
 its real store and lookup server) driven in the order vLLM's scheduler and model runner call
-them, on stand-in requests and per-layer caches in CPU_ATTN's layout."""
+them, on stand-in requests and per-layer caches in CPU_ATTN's layout, and again in
+FLASH_ATTN's (vLLM 0.32's cross-layer ``BLNHC`` layout) through the staged copies the worker
+uses on CUDA, run on the CPU with staging buffers of two blocks (loads and saves in chunks)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from kvtier.connectors.vllm.options import ConnectorOptions
 from kvtier.connectors.vllm.scheduler import SchedulerSide
 from kvtier.connectors.vllm.worker import WorkerSide
 from kvtier.testing.faults import Fault, FaultPlan, inject_disk_faults
+from tests.unit.connectors.vllm_layouts import layer_caches
 
 BLOCK, HEADS, HEAD_DIM, LAYERS, NUM_PAGED = 32, 2, 64, 3, 24
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -91,25 +94,37 @@ class Engine:
         return meta, self.worker.take_load_errors()
 
 
-@pytest.fixture
-def make_engine(tmp_path: Path):
+BLOCK_BYTES = LAYERS * 2 * BLOCK * HEADS * HEAD_DIM * 4
+
+
+def make_caches(backend: str, poison: bool, seed: int) -> dict[str, torch.Tensor]:
+    """Per-layer caches ``[NUM_PAGED, HEADS, BLOCK, 2 * HEAD_DIM]`` in ``backend``'s layout."""
+    torch.manual_seed(seed)
+    if backend == "FLASH_ATTN":
+        caches = layer_caches("BLNHC", LAYERS, NUM_PAGED, HEADS, BLOCK, HEAD_DIM, dtype=torch.float32,
+                              fill=POISON if poison else "randn")
+        return dict(zip(LAYER_NAMES, caches))
+    shape = (NUM_PAGED, HEADS, BLOCK, 2 * HEAD_DIM)
+    return {name: torch.full(shape, POISON) if poison else torch.randn(shape) for name in LAYER_NAMES}
+
+
+@pytest.fixture(params=["CPU_ATTN", "FLASH_ATTN"])
+def make_engine(tmp_path: Path, request):
     engines: list[Engine] = []
+    backend = request.param
 
     def factory(data_dir: Path | None = None, poison: bool = False, seed: int = 0, **extra) -> Engine:
         options = ConnectorOptions.from_extra_config(
-            {"cpu_bytes": 32 * LAYERS * 2 * BLOCK * HEADS * HEAD_DIM * 4, "disk_bytes": "64MiB",
+            {"cpu_bytes": 32 * BLOCK_BYTES, "disk_bytes": "64MiB", "staging_bytes": 4 * BLOCK_BYTES,
              "data_dir": str(data_dir or tmp_path / "kvtier"), "match_wait_s": 5.0, **extra},
             BLOCK, environ={},
         )
         path = socket_path(f"test-{uuid.uuid4().hex[:12]}", 0, 0)
-        g = torch.Generator().manual_seed(seed)
-        caches = {
-            name: (torch.full((NUM_PAGED, HEADS, BLOCK, 2 * HEAD_DIM), POISON) if poison
-                   else torch.randn(NUM_PAGED, HEADS, BLOCK, 2 * HEAD_DIM, generator=g))
-            for name in LAYER_NAMES
-        }
+        caches = make_caches(backend, poison, seed)
         worker = WorkerSide(KEY, options, path)
-        worker.register_kv_caches(caches, LAYER_NAMES, tp_rank=0)
+        staged = backend == "FLASH_ATTN"  # the CUDA path's copies, on the CPU
+        worker.register_kv_caches(caches, LAYER_NAMES, tp_rank=0, backend=backend, head_size=HEAD_DIM, staged=staged)
+        assert worker.copies.staged is staged and (not staged or worker.copies.staging_blocks == 2)
         engine = Engine(None, worker, caches)
         engine.scheduler = SchedulerSide(KEY, LookupClient([path], 5.0), lambda r: engine.tables[r], options.match_wait_s)
         engines.append(engine)

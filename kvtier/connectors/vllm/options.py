@@ -17,7 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvtier.config import ENV_PREFIX, StoreConfig
+from kvtier.config import ENV_PREFIX, StoreConfig, parse_bytes
+
+DEFAULT_STAGING_BYTES = 256 << 20
 
 CONNECTOR_STORE_DEFAULTS: dict[str, Any] = {"gpu_bytes": 0, "write_policy": "write_through"}
 
@@ -35,6 +37,9 @@ class ConnectorOptions:
             yet" (vLLM then retries the request next step while it serves others).
         lookup_timeout_s: seconds the scheduler waits for a worker's answer before it
             counts the lookup as a miss.
+        staging_bytes: device memory for the two staging buffers between the CPU pool and
+            vLLM's GPU caches (CUDA only; out of what ``gpu_memory_utilization`` leaves free;
+            :mod:`kvtier.connectors.vllm.copies`). At least one block per buffer.
     """
 
     store: StoreConfig
@@ -42,6 +47,7 @@ class ConnectorOptions:
     model_revision: str | None = None
     match_wait_s: float = 0.05
     lookup_timeout_s: float = 10.0
+    staging_bytes: int = DEFAULT_STAGING_BYTES
 
     @classmethod
     def from_extra_config(
@@ -75,6 +81,13 @@ class ConnectorOptions:
             value = own.get(name, getattr(cls, name))
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 3600:
                 raise ValueError(f"expected 0 <= {name} <= 3600 (seconds), got {value!r}")
+        if "staging_bytes" in own:
+            try:
+                own["staging_bytes"] = parse_bytes(own["staging_bytes"])
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"expected staging_bytes as a byte size (e.g. '256MiB'), got {own['staging_bytes']!r}") from exc
+            if not 0 < own["staging_bytes"] <= 1 << 40:
+                raise ValueError(f"expected 0 < staging_bytes <= 1 TiB, got {own['staging_bytes']!r}")
         for name in ("model_id", "model_revision"):
             if own.get(name) is not None and (not isinstance(own[name], str) or not own[name]):
                 raise ValueError(f"expected {name} to be a non-empty string, got {own[name]!r}")

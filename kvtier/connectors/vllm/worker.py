@@ -23,6 +23,15 @@ Protocol per request (see :mod:`kvtier.connectors.vllm.scheduler` for the schedu
   Under the default ``write_through`` policy the store then writes them to DISK on its I/O
   threads.
 
+On CUDA (FLASH_ATTN, FLASHINFER) the copies cross PCIe through a staging buffer, whole blocks
+at a time (:mod:`kvtier.connectors.vllm.copies`): ``start_load_kv`` enqueues the whole load
+(H2D on a side stream, gathers on the current stream) and ``wait_for_layer_load`` makes the
+layer's stream wait for it; ``save_kv_layer`` only records that the layer ran, and
+``wait_for_save`` enqueues the step's saves (scatters, then D2H). Nothing waits on the host:
+the load's pool slots are released, and the saved blocks published, once the copies' event
+has completed, checked at the next connector call (``_poll``); before reserving slots for new
+saves the worker waits for the previous step's (so a block is never reserved twice).
+
 Threads: the lookup server answers on its own thread; tickets are guarded by one lock; the
 store is thread-safe. Everything else runs on vLLM's worker thread.
 """
@@ -34,17 +43,18 @@ import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 import torch
 
+from kvtier.connectors.vllm.copies import Fence, PagedCopies
 from kvtier.connectors.vllm.keys import EngineKey
-from kvtier.connectors.vllm.layout import kv_spec_for_caches, paged_view
+from kvtier.connectors.vllm.layout import block_views, kv_spec_for_caches
 from kvtier.connectors.vllm.lookup import LookupServer, MatchReply
 from kvtier.connectors.vllm.metadata import KVTierMetadata
 from kvtier.connectors.vllm.options import ConnectorOptions
 from kvtier.connectors.ttft import PrefillRate
-from kvtier.kernels import gather_blocks_to_paged, scatter_paged_to_blocks
 from kvtier.store import Lease, PrefetchHandle, StoreHandle, TieredStore
 
 logger = logging.getLogger(__name__)
@@ -70,6 +80,7 @@ class _StepLoad:
     leases: list[Lease]
     layers_done: list[bool]
     failed: bool = False
+    fence: Fence | None = None  # staged (CUDA): the whole load, enqueued by start_load_kv
 
 
 @dataclass
@@ -110,47 +121,64 @@ class WorkerSide:
         self.store: TieredStore | None = None
         self.server: LookupServer | None = None
         self.counters = WorkerCounters()
-        self._views: list[torch.Tensor] = []
+        self.copies: PagedCopies | None = None
+        self._caches: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
         self._tickets: dict[str, _Ticket] = {}
         self._lock = threading.Lock()
         self._load: _StepLoad | None = None
         self._save: _StepSave | None = None
         self._load_errors: set[int] = set()
+        self._deferred: list[tuple[Fence, Callable[[], None]]] = []  # run once the fence is done
         self.prefill_rate = PrefillRate()
         self._step: list[float] | None = None  # [start, prompt tokens, loaded tokens, load s] of this step
 
     # -- set-up ------------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layer_order: list[str], tp_rank: int) -> None:
+    def register_kv_caches(
+        self, kv_caches: dict[str, torch.Tensor], layer_order: list[str], tp_rank: int, backend: str = "CPU_ATTN",
+        head_size: int | None = None, staged: bool | None = None,
+    ) -> None:
         """Build the store for these caches and start the lookup server.
 
         Args:
-            kv_caches: layer name -> ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``.
+            kv_caches: layer name -> ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``
+                (CPU_ATTN: contiguous; FLASH_ATTN/FLASHINFER: vLLM 0.32's logical ``[B, H,
+                N, C]`` view, any strides; :mod:`kvtier.connectors.vllm.layout`).
             layer_order: the attention layers' names in model order; names sharing one cache
                 tensor (cross-layer KV sharing) map to the first of them.
             tp_rank: this worker's tensor-parallel rank.
+            backend: the attention backend's name (``AttentionBackend.get_name()``).
+            head_size: the model's head size (default: half the cache's last dim).
+            staged: copy through a staging buffer, whole blocks (default: when the caches are
+                not in host memory; ``True`` runs that path on the CPU, for tests).
 
         Raises:
-            ValueError: a cache of another layout (see :func:`paged_view`).
+            ValueError: a cache not in the backend's layout.
+            NotImplementedError: a backend the connector does not handle.
         """
         self.tp_rank = tp_rank
         by_ptr: dict[int, int] = {}
-        caches: list[torch.Tensor] = []
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
         for name in layer_order:
             cache = kv_caches[name]
-            index = by_ptr.setdefault(cache.data_ptr(), len(caches))
-            if index == len(caches):
-                caches.append(cache)
-                self._views.append(paged_view(cache, self.block_size))
+            index = by_ptr.setdefault(cache.data_ptr(), len(self._caches))
+            if index == len(self._caches):
+                self._caches.append(cache)
+                key, value = block_views(backend, cache, self.block_size, head_size or cache.shape[-1] // 2)
+                keys.append(key)
+                values.append(value)
             self._layer_index[name] = index
-        spec = kv_spec_for_caches(caches, self.block_size)
+        spec = kv_spec_for_caches(self._caches, self.block_size)
         self.store = TieredStore(spec, self.options.store, self.engine_key.namespace(tp_rank), device="cpu")
+        self.copies = PagedCopies(self.store.top.tensor, keys, values, self.options.staging_bytes, staged=staged)
         self.store.name = self.engine_key.model_id
         self.server = LookupServer(self.socket_path, self.handle)
         logger.info(
-            "kvtier: %d layers, block %d tokens (%.1f MiB), CPU pool %d blocks, DISK %s; lookups on %s",
-            spec.num_layers, spec.block_size, spec.block_nbytes / 2**20, self.store.top.num_blocks,
-            self.options.store.data_dir if self.store.disk is not None else "off", self.socket_path,
+            "kvtier: %s on %s, %d layers, block %d tokens (%.1f MiB), CPU pool %d blocks, DISK %s%s; lookups on %s",
+            backend, keys[0].device, spec.num_layers, spec.block_size, spec.block_nbytes / 2**20,
+            self.store.top.num_blocks, self.options.store.data_dir if self.store.disk is not None else "off",
+            f"; staging 2 x {self.copies.staging_blocks} blocks" if self.copies.staged else "", self.socket_path,
         )
 
     # -- lookups (server thread) ---------------------------------------------------------------
@@ -207,9 +235,10 @@ class WorkerSide:
 
     # -- loads -------------------------------------------------------------------------------
     def start_load_kv(self, meta: KVTierMetadata) -> None:
-        """Release dropped matches; plan this step's copies into vLLM's cache."""
+        """Release dropped matches; plan this step's copies into vLLM's cache (staged: enqueue them)."""
         started = time.perf_counter()
         self._step = [started, meta.prefill_tokens, 0, 0.0]
+        self._poll()
         for req_id in meta.drops:
             self._drop(req_id)
         if not meta.loads:
@@ -237,10 +266,17 @@ class WorkerSide:
                 )
                 self._fail_blocks(spec.block_ids[num_ok:])
                 failed = True
-        self._load = _StepLoad(
+        self._load = load = _StepLoad(
             torch.tensor(pool_ids, dtype=torch.int64), torch.tensor(paged_ids, dtype=torch.int64),
-            leases, [False] * len(self._views), failed=failed,
+            leases, [False] * len(self._caches), failed=failed,
         )
+        if self.copies.staged and paged_ids:
+            try:
+                load.fence = self.copies.load(pool_ids, paged_ids)
+            except Exception:
+                logger.exception("kvtier: enqueueing this step's loads failed; vLLM recomputes them")
+                self.copies.settle()
+                self._fail_load(load)
         self._step[2] = len(pool_ids) * self.block_size
         self._step[3] += time.perf_counter() - started
 
@@ -253,10 +289,12 @@ class WorkerSide:
         load.layers_done[index] = True
         if not load.paged_ids.numel():
             return
+        if load.fence is not None:  # staged: the whole load was enqueued by start_load_kv
+            load.fence.wait_ready()
+            return
         started = time.perf_counter()
         try:
-            pool, view = self.store.top.tensor[:, index : index + 1], self._views[index]
-            gather_blocks_to_paged(pool, load.pool_ids, [view[0]], [view[1]], load.paged_ids, check_ids=False)
+            self.copies.load_layer(index, load.pool_ids, load.paged_ids)
         except Exception:
             logger.exception("kvtier: copying layer %s into vLLM's cache failed; vLLM recomputes", layer_name)
             self._fail_load(load)
@@ -284,8 +322,22 @@ class WorkerSide:
             missing = [i for i, done in enumerate(load.layers_done) if not done]
             logger.error("kvtier: layers %s never waited for their load; vLLM recomputes", missing)
             self._fail_load(load)
-        for lease in load.leases:
-            lease.release()
+        release = partial(_release_all, load.leases)
+        if load.fence is not None and not load.fence.done():
+            self._deferred.append((load.fence, release))  # the H2D copies still read those slots
+        else:
+            release()
+
+    def _poll(self, wait: bool = False) -> None:
+        """Run the deferred releases and publications whose copies are done (``wait``: all of
+        them, blocking the host until their copies are)."""
+        while self._deferred:
+            fence, action = self._deferred[0]
+            if not wait and not fence.done():
+                return
+            fence.wait()
+            self._deferred.pop(0)
+            action()
 
     def take_load_errors(self) -> set[int]:
         """vLLM block ids whose load failed since the last call."""
@@ -302,16 +354,18 @@ class WorkerSide:
         index = self._layer_index.get(layer_name)
         if save.handle is None or index is None or save.layers_done[index]:
             return
-        assert kv_layer is None or kv_layer.data_ptr() == self._views[index].data_ptr(), (
+        assert kv_layer is None or kv_layer.data_ptr() == self._caches[index].data_ptr(), (
             f"layer {layer_name}: vLLM saves from another cache tensor than it registered"
         )
-        pool, view = self.store.top.tensor[:, index : index + 1], self._views[index]
-        scatter_paged_to_blocks([view[0]], [view[1]], save.paged_ids, pool, save.pool_ids, check_ids=False)
+        if not self.copies.staged:  # staged: wait_for_save copies every layer at once
+            self.copies.save_layer(index, save.paged_ids, save.pool_ids)
         save.layers_done[index] = True
 
     def _prepare_save(self, meta: KVTierMetadata) -> _StepSave:
         """Reserve pool slots for the step's blocks that kvtier does not hold yet (each
-        once, in request order: blocks shared by requests of one batch are written once)."""
+        once, in request order: blocks shared by requests of one batch are written once).
+        Staged saves of earlier steps are published first (their blocks are pending until then)."""
+        self._poll(wait=True)
         empty = torch.empty(0, dtype=torch.int64)
         hashes: list[bytes] = []
         paged: list[int] = []
@@ -331,7 +385,7 @@ class WorkerSide:
             handle,
             torch.tensor(handle.block_ids, dtype=torch.int64),
             torch.tensor([paged[i] for i in handle.indices], dtype=torch.int64),
-            [False] * len(self._views),
+            [False] * len(self._caches),
         )
 
     def wait_for_save(self) -> None:
@@ -342,15 +396,30 @@ class WorkerSide:
         self._finish_load()
         self._count_step()
         save, self._save = self._save, None
-        if save is None or save.handle is None:
-            return  # nothing new, or no layer ran (no forward this step: nothing computed)
-        ok = all(save.layers_done) and not load_failed
+        if save is not None and save.handle is not None:  # else nothing new, or no forward this step
+            self._finish_save(save, ok=all(save.layers_done) and not load_failed)
+        self._poll()
+
+    def _finish_save(self, save: _StepSave, ok: bool) -> None:
+        """Publish the step's saves (staged: once their copies are done), or free their slots."""
+        fence = None
+        if ok and self.copies.staged:
+            try:
+                fence = self.copies.save(save.paged_ids.tolist(), save.pool_ids.tolist())
+            except Exception:
+                logger.exception("kvtier: enqueueing this step's saves failed; they are not stored")
+                self.copies.settle()
+                ok = False
         if not ok:
             logger.warning("kvtier: discarding %d blocks of this step (layer missing or load failed)", len(save.pool_ids))
             self.counters.save_discarded_blocks += len(save.handle.block_hashes)
         else:
             self.counters.saved_blocks += len(save.handle.block_hashes)
-        self.store.complete_store(save.handle, success=ok)
+        publish = partial(self.store.complete_store, save.handle, success=ok)
+        if fence is not None and not fence.done():
+            self._deferred.append((fence, publish))
+        else:
+            publish()
 
     def _count_step(self) -> None:
         """This step's prompt tokens and the TTFT its kvtier loads saved (kvtier.connectors.ttft):
@@ -366,6 +435,7 @@ class WorkerSide:
     # -- lifecycle -----------------------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> None:
         """Release matches of requests that finished (aborted while waiting, for example)."""
+        self._poll()
         for req_id in finished_req_ids:
             self._drop(req_id)
 
@@ -385,6 +455,7 @@ class WorkerSide:
 
     def flush(self) -> None:
         """Write every block held only in memory to DISK and fsync (wait for write-through)."""
+        self._poll(wait=True)
         if self.store is not None:
             self.store.flush()
 
@@ -396,7 +467,13 @@ class WorkerSide:
             tickets, self._tickets = list(self._tickets.values()), {}
         for ticket in tickets:
             ticket.release()
+        self._poll(wait=True)
         if self.store is not None:
             logger.info("kvtier: worker shutting down: %s", self.stats()["connector"])
             self.store.close()
             self.store = None
+
+
+def _release_all(leases: list[Lease]) -> None:
+    for lease in leases:
+        lease.release()
