@@ -19,8 +19,11 @@ Models are returned in ``eval()`` mode; run them under ``torch.inference_mode()`
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -89,12 +92,34 @@ def load_model(name: ModelName = "smollm2", dtype: torch.dtype | None = None) ->
     dtype = torch.float32 if dtype is None else dtype
 
     bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # the GGUF de-quantization bar; callers draw their own
+    hf_logging.disable_progress_bar()  # transformers' own bars; callers draw their own
     try:
-        return _load_smollm2(dtype) if name == "smollm2" else _load_tiny_llama(dtype)
+        with _quiet_gguf_bar():
+            return _load_smollm2(dtype) if name == "smollm2" else _load_tiny_llama(dtype)
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def _quiet_gguf_bar() -> Iterator[None]:
+    """Silence the "Converting and de-quantizing GGUF tensors" bar: a plain ``tqdm`` of
+    ``transformers.modeling_gguf_pytorch_utils`` that the switch above does not reach (it
+    writes carriage returns into logs and pipes)."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        yield
+        return
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
 
 
 def load_smollm2_tokenizer() -> Any:
