@@ -208,3 +208,15 @@ def test_prefetch_ticket_is_used_by_before_prefill(model, tmp_path):
     assert plan2.num_cached_tokens == 80
     assert all(second.store.ref_cnt(h) == 0 for h in second.block_hashes(ids[0]))
     second.close()
+
+
+def test_plan_and_tiers_print_as_words() -> None:
+    """print(plan) and print(plan.sources) read without enum reprs (issue 16)."""
+    from kvtier.connectors.hf import PrefillPlan
+    from kvtier.types import Medium
+
+    plan = PrefillPlan(48, None, [], [Medium.DISK, Medium.CPU, Medium.DISK])
+    assert str(plan) == "48 cached tokens (CPU 16, DISK 32)"
+    assert plan.cached_tokens_by_tier == {"CPU": 16, "DISK": 32}
+    assert repr(plan.sources) == "[DISK, CPU, DISK]"
+    assert str(PrefillPlan(0, None, [])) == "0 cached tokens"
