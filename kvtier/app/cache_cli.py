@@ -72,13 +72,19 @@ def _table(infos: list[CacheDir]):
         if not info.exists:
             row = ["(missing)", "", "", ""]
         else:
-            kinds = ", ".join(f"daemon: {info.namespaces} models" if k == "daemon" else k for k in info.kinds)
+            kinds = ", ".join(_kind(k, info.namespaces) for k in info.kinds)
             blocks = "?" if info.blocks is None else f"{info.blocks:,}"
             holders = sorted(set(info.holders.values()))
             row = [kinds or "nothing", format_bytes(info.du_bytes), blocks if info.kinds else "",
                    ", ".join(describe_holder(pid) for pid in holders) or "-"]
         table.add_row(_home(info.path), *row)
     return table
+
+
+def _kind(kind: str, namespaces: int) -> str:
+    if kind != "daemon":
+        return kind
+    return f"daemon: {namespaces} model" + ("" if namespaces == 1 else "s")
 
 
 def _as_json(info: CacheDir) -> dict:

@@ -171,6 +171,8 @@ def describe_holder(pid: int) -> str:
     words = [os.path.basename(argv[0])] + argv[1:] if argv else []
     if len(words) > 2 and words[0].startswith("python") and words[1] == "-m":
         words = words[2:]  # python -m kvtier demo -> kvtier demo
+    elif len(words) > 1 and words[0].startswith("python") and not words[1].startswith("-"):
+        words = [os.path.basename(words[1])] + words[2:]  # python3 .venv/bin/kvtier serve -> kvtier serve
     command = " ".join(" ".join(words).split())  # one line: newlines of `python -c` collapsed
     return f"pid {pid} ({command[:57] + '...' if len(command) > 60 else command})" if command else f"pid {pid}"
 
