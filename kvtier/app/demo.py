@@ -344,7 +344,7 @@ def run_demo(options: DemoOptions, config: StoreConfig, fresh: bool = False, out
     if options.num_threads is not None:
         torch.set_num_threads(options.num_threads)
     with output.step(f"loading {options.model} and the ShareGPT conversations"):
-        model, tokenizer, model_id = load_model(options.model)
+        model, tokenizer, model_id = load_model(options.model, cache_dir=Path(config.data_dir) / "models")
         conversations, skipped, num_long = draw_conversations(tokenizer, options)
     with torch.inference_mode():
         connector = HFConnector.from_model(model, config, model_id=model_id)
@@ -401,4 +401,5 @@ def _start_lines(options: DemoOptions, config: StoreConfig, model_id: str, conve
         f"(seed {options.seed}; messages cut to {options.max_message_tokens} tokens, prompts <= "
         f"{options.max_prompt_tokens})",
         f"store: {memory}; {disk}; block_size {config.block_size}",
+        f"K/V layout (layer groups): {connector.store.spec.layout_name}",
     ]
