@@ -140,62 +140,81 @@ def _short(name: str) -> str:
     return name if len(name) <= 20 else name[:16] + "…"
 
 
-def render(doc: dict[str, Any], source: str) -> Any:
-    """The rich renderable for a stats document (daemon) or a data-dir document."""
-    from rich.console import Group
+def fit_table(title: str, heads: list[str], rows: list[list[str]], width: int, bold_last: bool = False) -> Any:
+    """A table of ``rows`` under ``heads`` when it fits ``width`` columns, else its transpose
+    (one row per heading, one column per row: "tier | GPU | CPU | DISK"), so that no heading is
+    cut to ``names…`` on an 80-column terminal (issue 16). The first cell of a row names it."""
+    from rich.console import Console, Group
     from rich.table import Table
+    from rich.text import Text
+
+    def build(columns: list[str], body: list[list[str]], bold_row: int | None, titled: bool = True) -> Table:
+        table = Table(title=title if titled else None, title_justify="left")
+        for i, name in enumerate(columns):
+            table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True)
+        for i, row in enumerate(body):
+            table.add_row(*row, style="bold" if i == bold_row else None)
+        return table
+
+    wide = build(heads, rows, len(rows) - 1 if bold_last else None)
+    if Console(width=10_000).measure(wide).maximum <= width:
+        return wide
+    narrow = build([heads[0], *(row[0] for row in rows)],
+                   [[h, *(row[i] for row in rows)] for i, h in enumerate(heads) if i > 0], None, titled=False)
+    return Group(Text(title, style="italic"), narrow)  # the title on its own line: not wrapped to the table
+
+
+def render(doc: dict[str, Any], source: str, width: int = 10_000) -> Any:
+    """The rich renderable for a stats document (daemon) or a data-dir document; each table in
+    full when it fits ``width`` columns, else transposed (:func:`fit_table`)."""
+    from rich.console import Group
     from rich.text import Text
 
     when = time.strftime("%H:%M:%S", time.localtime(doc.get("time", time.time())))
     if doc.get("source") == "data-dir":
-        table = Table(title=f"kvtier DISK tier at {doc['path']} (as of {when})", title_justify="left")
-        for name in ("namespace", "blocks", "used", "block bytes"):
-            table.add_column(name, justify="left" if name == "namespace" else "right")
+        rows = []
         for ns, entry in doc["namespaces"].items():
             disk = entry["tiers"]["DISK"]
-            table.add_row(_short(ns), _int(disk["blocks"]), _bytes(disk["used_bytes"]), _bytes(entry["block_bytes"]))
+            rows.append([_short(ns), _int(disk["blocks"]), _bytes(disk["used_bytes"]), _bytes(entry["block_bytes"])])
         total = doc["total"]["tiers"]["DISK"]
-        table.add_row("total", _int(total["blocks"]), _bytes(total["used_bytes"]), "", style="bold")
+        rows.append(["total", _int(total["blocks"]), _bytes(total["used_bytes"]), ""])
+        table = fit_table(f"kvtier DISK tier at {doc['path']} (as of {when})",
+                          ["namespace", "blocks", "used", "block bytes"], rows, width, bold_last=True)
         note = (f"LMDB map {_bytes(doc['map_size_bytes'])}; {doc['unreadable_records']} unreadable records. "
                 "Hit and eviction counters live in the process that owns a store: use --url for a daemon.")
         return Group(table, Text(note, style="dim"))
 
-    overview = Table(title=f"kvtier stats: {source} (as of {when})", title_justify="left")
     tiers = list(doc["total"].get("tier_names") or doc["total"]["tiers"])
-    for name in ("namespace", "lookup tokens", "hit rate", *[f"hits {t}" for t in tiers], "computed tokens",
-                 "evicted blocks", "load failures", "TTFT saved"):
-        overview.add_column(name, justify="left" if name == "namespace" else "right")
-    rows = [(_short(n), s) for n, s in doc["namespaces"].items()]
-    if len(rows) != 1:
-        rows.append(("total", doc["total"]))
-    for name, s in rows:
+    heads = ["namespace", "lookup tokens", "hit rate", *[f"hits {t}" for t in tiers], "computed tokens",
+             "evicted blocks", "load failures", "TTFT saved"]
+    named = [(_short(n), s) for n, s in doc["namespaces"].items()]
+    if len(named) != 1:
+        named.append(("total", doc["total"]))
+    rows = []
+    for name, s in named:
         failures = sum(f["blocks"] for f in s["load_failures"])
         ttft = s.get("ttft_saved_s")
-        overview.add_row(
-            name, _int(s["lookup_tokens"]), _pct(s["hit_rate"]), *[_int(s["hit_tokens"].get(t, 0)) for t in tiers],
-            _int(s["computed_tokens"]), _int(sum(s["evicted_blocks"].values())), _int(failures),
-            "n/a" if ttft is None else f"{ttft:.1f} s", style="bold" if name == "total" else None,
-        )
+        rows.append([name, _int(s["lookup_tokens"]), _pct(s["hit_rate"]), *[_int(s["hit_tokens"].get(t, 0)) for t in tiers],
+                     _int(s["computed_tokens"]), _int(sum(s["evicted_blocks"].values())), _int(failures),
+                     "n/a" if ttft is None else f"{ttft:.1f} s"])
+    overview = fit_table(f"kvtier stats: {source} (as of {when})", heads, rows, width, bold_last=len(named) != 1)
     total = doc["total"]
-    tier_table = Table(title="tiers (all namespaces)", title_justify="left")
-    for name in ("tier", "used", "capacity", "occupancy", "blocks", "hit tokens", "served tokens", "stored tokens",
-                 "evicted blocks"):
-        tier_table.add_column(name, justify="left" if name == "tier" else "right")
+    rows = []
     for t in tiers:
         u = total["tiers"].get(t, {})
         cap = u.get("capacity_bytes")
-        tier_table.add_row(
-            t, _bytes(u.get("used_bytes")), _bytes(cap), _pct(u["used_bytes"] / cap if cap else None),
-            _int(u.get("blocks")), _int(total["hit_tokens"].get(t, 0)), _int(total["served_tokens"].get(t, 0)),
-            _int(total["stored_tokens"].get(t, 0)), _int(total["evicted_blocks"].get(t, 0)),
-        )
-    path_table = Table(title="bytes moved per path (all namespaces)", title_justify="left")
-    for name in ("path", "bytes", "bytes/s (last interval)"):
-        path_table.add_column(name, justify="left" if name == "path" else "right")
+        rows.append([t, _bytes(u.get("used_bytes")), _bytes(cap), _pct(u["used_bytes"] / cap if cap else None),
+                     _int(u.get("blocks")), _int(total["hit_tokens"].get(t, 0)), _int(total["served_tokens"].get(t, 0)),
+                     _int(total["stored_tokens"].get(t, 0)), _int(total["evicted_blocks"].get(t, 0))])
+    tier_table = fit_table("tiers (all namespaces)", ["tier", "used", "capacity", "occupancy", "blocks", "hit tokens",
+                                                       "served tokens", "stored tokens", "evicted blocks"], rows, width)
     rates = doc.get("series", {}).get("bytes_per_s", {})
+    rows = []
     for p, n in total["moved_bytes"].items():
         last = rates.get(p, [])[-1:] or [None]
-        path_table.add_row(p, _bytes(n), "–" if last[0] is None else _bytes(last[0]) + "/s")
+        rows.append([p, _bytes(n), "–" if last[0] is None else _bytes(last[0]) + "/s"])
+    path_table = fit_table("bytes moved per path (all namespaces)", ["path", "bytes", "bytes/s (last interval)"],
+                           rows, width)
     parts = [overview, tier_table, path_table]
     failures = [f for f in total["load_failures"] if f["blocks"]]
     if failures:
@@ -232,7 +251,7 @@ def stats(url: str | None, data_dir: Path | None, token: str | None, watch: bool
         click.echo(json.dumps(read(), indent=2))
         return
     if not watch:
-        console.print(render(read(), source))
+        console.print(render(read(), source, console.width))
         return
     from rich.live import Live
     from rich.text import Text
@@ -241,7 +260,7 @@ def stats(url: str | None, data_dir: Path | None, token: str | None, watch: bool
         try:
             while True:
                 try:
-                    view = render(read(), source)
+                    view = render(read(), source, console.width)
                 except StatsUnavailable as exc:  # keep watching: a daemon may come back
                     view = Text(f"{exc.message} (retrying every {interval:g} s)", style="red")
                 live.update(view, refresh=True)

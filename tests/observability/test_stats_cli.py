@@ -88,3 +88,21 @@ def test_stats_from_a_data_dir_and_one_in_use(make_store, namespace, tmp_path):
 def test_stats_refuses_url_and_data_dir_together(tmp_path):
     result = CliRunner().invoke(main, ["stats", "--url", "http://x", "--data-dir", str(tmp_path)])
     assert result.exit_code == 2 and "not both" in result.output
+
+
+def test_stats_at_80_columns_keeps_every_heading_whole(make_store, namespace, live_server):
+    """Issue 16: at 80 columns the wide tables were cut to `names…`, `compu…`; now a table that
+    does not fit is transposed (a row per heading) and every heading reads whole."""
+    _, server = served_store(make_store, namespace, live_server)
+    result = CliRunner().invoke(main, ["stats", "--url", server.url], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert max(len(line) for line in lines) <= 80, result.output
+    assert "…" not in result.output
+    for heading in ("lookup tokens", "computed tokens", "evicted blocks", "load failures", "TTFT saved",
+                    "served tokens", "stored tokens", "occupancy"):
+        assert any(line.startswith(f"│ {heading} ") for line in lines), heading
+    row = next(line for line in lines if line.startswith("│ hit rate "))
+    assert [c.strip() for c in row.strip("│").split("│")] == ["hit rate", "83.3%"]
+    wide = CliRunner().invoke(main, ["stats", "--url", server.url], env={"COLUMNS": "200"})
+    assert any(line.startswith("│ chat") for line in wide.output.splitlines())  # full width: one row per namespace
