@@ -185,6 +185,7 @@ def _check_piped_output(proc: subprocess.CompletedProcess, doc: dict) -> None:
     assert "goals = median of TTFT with / without kvtier" in out
 
 
+@pytest.mark.slow  # loads a model and the data set in a subprocess: seconds, not the fast lane's milliseconds
 def test_piped_demo_prints_a_line_per_turn_and_fits_80_columns(tmp_path: Path) -> None:
     proc, doc = _piped_demo(tmp_path, "tiny-llama")
     _check_piped_output(proc, doc)

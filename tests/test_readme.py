@@ -73,6 +73,7 @@ def _quickstart() -> str:
     return _blocks("python")[[b in section for b in _blocks("python")].index(True)]
 
 
+@pytest.mark.slow  # two subprocesses that import torch and transformers and load a model
 def test_quickstart_prints_cached_tokens_and_their_tier_and_a_new_process_hits_disk(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     code = _quickstart()
