@@ -201,3 +201,65 @@ def test_piped_demo_with_smollm2(tmp_path: Path) -> None:
     proc, doc = _piped_demo(tmp_path, "smollm2")
     _check_piped_output(proc, doc)
     assert doc["identical_turns"] == doc["total_turns"]
+
+
+def test_demo_holds_its_data_dir_while_the_model_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between the check and the store's open the demo loads its model (minutes on a busy CPU):
+    it holds the DISK tier's lock meanwhile, so a second demo on the same dir is refused at its
+    check, not after its own load; the lock is released before the store takes it; --fresh
+    empties the tier but keeps the held lock file."""
+    from click.testing import CliRunner
+
+    import kvtier.app.demo as demo
+    from kvtier.app.cli import main
+    from kvtier.app.datadir import lock_holder
+
+    data = tmp_path / "data"
+    (data / "disk").mkdir(parents=True)
+    (data / "disk" / "data.mdb").write_bytes(b"old")
+    seen: dict[str, object] = {}
+
+    class Loaded(Exception):
+        pass
+
+    def load_model(*args, **kwargs):
+        seen["holder"] = lock_holder(data / "disk" / "kvtier.lock")
+        seen["old_tier_left"] = (data / "disk" / "data.mdb").exists()
+        second, _ = kvtier(tmp_path, "demo", "--quick", "--data-dir", str(data))
+        seen["second"] = (second.returncode, second.stderr)
+        raise Loaded
+
+    monkeypatch.setattr(demo, "load_model", load_model)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    result = CliRunner().invoke(main, ["demo", "--quick", "--fresh", "--data-dir", str(data)])
+    assert isinstance(result.exception, Loaded), result.output
+    assert seen["holder"] == os.getpid() and seen["old_tier_left"] is False
+    code, err = seen["second"]
+    assert code == 2 and err.startswith("Error: data dir ") and f"in use by pid {os.getpid()}" in err, err
+    assert lock_holder(data / "disk" / "kvtier.lock") is None  # released when the command ends
+
+
+def test_demo_releases_its_claim_before_the_store_opens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    import kvtier.app.demo as demo
+    from kvtier.app.cli import main
+    from kvtier.app.datadir import lock_holder
+
+    data = tmp_path / "data"
+    seen: list[object] = []
+
+    class Opened(Exception):
+        pass
+
+    def from_model(*args, **kwargs):
+        seen.append(lock_holder(data / "disk" / "kvtier.lock"))
+        raise Opened
+
+    monkeypatch.setattr(demo, "load_model", lambda *a, **k: (None, None, "m"))
+    monkeypatch.setattr(demo, "draw_conversations", lambda *a, **k: ([], 0, 0))
+    monkeypatch.setattr(demo.HFConnector, "from_model", from_model)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    result = CliRunner().invoke(main, ["demo", "--quick", "--data-dir", str(data)])
+    assert isinstance(result.exception, Opened), result.output
+    assert seen == [None]  # free for the store to take

@@ -21,6 +21,7 @@ command's ``--help`` import neither torch nor the store (checked by tests/test_a
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -104,8 +105,15 @@ def demo(**kwargs: Any) -> None:
     caches and their sizes, `kvtier clear` removes them.
     """
     config = _config(kwargs)
+    claim = ExitStack()  # the DISK tier's lock, held from the check until the store opens
     if config.disk_bytes:
         _check_data_dir(config.data_dir, "disk", config.disk_bytes)
+        _claim(claim, config.data_dir)
+    with claim:
+        _demo(kwargs, config, before_store=claim.close)
+
+
+def _demo(kwargs: dict[str, Any], config: Any, before_store: Any) -> None:
     options = _demo_options(kwargs)  # imports torch
 
     from rich.console import Console
@@ -119,7 +127,7 @@ def demo(**kwargs: Any) -> None:
     output = ConsoleOutput(Console(highlight=False))
     started = time.perf_counter()
     try:
-        report = run_demo(options, config, fresh=kwargs["fresh"], output=output)
+        report = run_demo(options, config, fresh=kwargs["fresh"], output=output, before_store=before_store)
     except (ModelNotInstalledError, DatasetNotInstalledError, UnsupportedModelError) as exc:
         raise click.ClickException(str(exc)) from None
     except RuntimeError as exc:
@@ -191,6 +199,17 @@ def _check_data_dir(data_dir: Any, owner: str, disk_bytes: int) -> None:
     for line in warnings:
         click.echo(f"warning: {line}", err=True)
     remember_data_dir(data_dir)
+
+
+def _claim(stack: ExitStack, data_dir: Any) -> None:
+    """Hold the DISK tier's lock of ``data_dir`` (checked free a moment ago) on ``stack``, so
+    that another command on the same dir is refused at its check while this one loads its model."""
+    from kvtier.app.datadir import STORE_LOCK, DataDirError, hold_lock
+
+    try:
+        stack.enter_context(hold_lock(Path(data_dir).expanduser().absolute() / STORE_LOCK))
+    except DataDirError as exc:
+        raise DataDirUnusable(str(exc)) from None
 
 
 def _demo_options(kwargs: dict[str, Any]) -> "Any":

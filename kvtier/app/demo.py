@@ -30,7 +30,7 @@ from collections import Counter
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, ContextManager, Literal, Protocol
+from typing import Any, Callable, ContextManager, Literal, Protocol
 
 import torch
 
@@ -270,12 +270,16 @@ def percentile(values: list[float], q: float) -> float | None:
 
 # -- the demo ----------------------------------------------------------------------------------
 def clear_disk_tier(data_dir: Path) -> bool:
-    """Delete the DISK tier's LMDB directory (``data_dir / "disk"``). Returns whether it existed."""
+    """Delete the DISK tier's files in ``data_dir / "disk"`` but its lock file (which the CLI
+    may hold: :func:`run_demo`'s ``before_store``). Returns whether there was anything to delete."""
     disk = Path(data_dir) / "disk"
-    if disk.exists():
-        shutil.rmtree(disk)
-        return True
-    return False
+    found = False
+    for path in disk.iterdir() if disk.is_dir() else ():
+        if path.name == "kvtier.lock":
+            continue
+        found = True
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    return found
 
 
 def run_turns(
@@ -334,9 +338,13 @@ def draw_conversations(tokenizer: Any, options: DemoOptions) -> tuple[list[Conve
 
 
 def run_demo(options: DemoOptions, config: StoreConfig, fresh: bool = False, output: DemoOutput | None = None,
-             ) -> DemoReport:
+             before_store: Callable[[], None] | None = None) -> DemoReport:
     """Load the model and the conversations, run every turn both ways, close the store
-    (flushing memory tiers to DISK)."""
+    (flushing memory tiers to DISK).
+
+    ``before_store()`` is called after the model load, right before the store opens its DISK
+    tier: the CLI holds the tier's lock during the load (so a second demo on the same data dir
+    is refused at once, not after its own load) and releases it there."""
     output = output or QuietOutput()
     t_load = time.perf_counter()
     if fresh and clear_disk_tier(config.data_dir):
@@ -346,6 +354,8 @@ def run_demo(options: DemoOptions, config: StoreConfig, fresh: bool = False, out
     with output.step(f"loading {options.model} and the ShareGPT conversations"):
         model, tokenizer, model_id = load_model(options.model, cache_dir=Path(config.data_dir) / "models")
         conversations, skipped, num_long = draw_conversations(tokenizer, options)
+    if before_store is not None:
+        before_store()
     with torch.inference_mode():
         connector = HFConnector.from_model(model, config, model_id=model_id)
         try:
