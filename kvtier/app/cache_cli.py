@@ -50,7 +50,13 @@ def ls(dirs: tuple[Path, ...], as_json: bool) -> None:
     from rich.console import Console
 
     console = Console(highlight=False)
-    console.print(_table(infos))
+    table = _table(infos)
+    if Console(width=10_000).measure(table).maximum <= console.width:
+        console.print(table)
+    else:  # a narrow terminal: paths whole (to copy), one dir per paragraph
+        for info in infos:
+            console.print(_home(info.path), markup=False, soft_wrap=True)
+            console.print("    " + ", ".join(_cells(info, names=True)), markup=False)
     used = sum(i.du_bytes for i in infos)
     apparent = sum(i.apparent_bytes for i in infos)
     console.print(f"{len(infos)} data dirs, {format_bytes(used)} on disk (du; the LMDB files are sparse: ls -l "
@@ -63,22 +69,36 @@ def _table(infos: list[CacheDir]):
     from rich.table import Table
 
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
-    table.add_column("data dir", overflow="fold")
+    table.add_column("data dir", no_wrap=True)
     table.add_column("holds", no_wrap=True)
     table.add_column("on disk", justify="right", no_wrap=True)
     table.add_column("blocks", justify="right", no_wrap=True)
-    table.add_column("in use by", overflow="fold")
+    table.add_column("in use by", no_wrap=True)
     for info in infos:
-        if not info.exists:
-            row = ["(missing)", "", "", ""]
-        else:
-            kinds = ", ".join(_kind(k, info.namespaces) for k in info.kinds)
-            blocks = "?" if info.blocks is None else f"{info.blocks:,}"
-            holders = sorted(set(info.holders.values()))
-            row = [kinds or "nothing", format_bytes(info.du_bytes), blocks if info.kinds else "",
-                   ", ".join(describe_holder(pid) for pid in holders) or "-"]
-        table.add_row(_home(info.path), *row)
+        table.add_row(_home(info.path), *_cells(info))
     return table
+
+
+def _cells(info: CacheDir, names: bool = False) -> list[str]:
+    """holds, on disk, blocks, in use by; ``names``: labelled, empty ones left out."""
+    if not info.exists:
+        return ["(missing)"] if names else ["(missing)", "", "", ""]
+    kinds = ", ".join(_kind(k, info.namespaces) for k in info.kinds)
+    blocks = "?" if info.blocks is None else f"{info.blocks:,}"
+    holders = ", ".join(_holder(pid) for pid in sorted(set(info.holders.values())))
+    if names:
+        return [kinds or "nothing", f"{format_bytes(info.du_bytes)} on disk",
+                *([f"{blocks} blocks"] if info.kinds else []), f"in use by {holders}" if holders else "not in use"]
+    return [kinds or "nothing", format_bytes(info.du_bytes), blocks if info.kinds else "", holders or "-"]
+
+
+def _holder(pid: int) -> str:
+    """``pid 1234 (kvtier demo)``: the program and its command, not every flag."""
+    text = describe_holder(pid)
+    if "(" not in text:
+        return text
+    head, command = text.split(" (", 1)
+    return f"{head} ({' '.join(command.rstrip(')').split()[:2])})"
 
 
 def _kind(kind: str, namespaces: int) -> str:

@@ -150,3 +150,25 @@ def test_known_dirs_are_the_default_the_env_and_each_remembered_one_once(tmp_pat
 def test_format_bytes() -> None:
     assert [format_bytes(n) for n in (0, 1023, 1536, 100 << 20, 20 << 30, 5 << 40)] == [
         "0 B", "1023 B", "1.5 KiB", "100 MiB", "20 GiB", "5 TiB"]
+
+
+def test_cache_ls_keeps_paths_whole_in_a_narrow_terminal(tmp_path: Path) -> None:
+    """A path cut over two lines cannot be copied into `kvtier cache rm`: the table when it
+    fits the terminal, else one paragraph per dir, the path whole on its own line."""
+    from click.testing import CliRunner
+
+    from kvtier.app.cli import main
+
+    data = tmp_path / ("a-long-directory-name-" * 3) / "data"
+    disk = DiskTier(data / "disk", 64 << 20)
+    _fill(disk, 3)
+    disk.close()
+    remember_data_dir(data)
+    narrow = CliRunner().invoke(main, ["cache", "ls"], env={"COLUMNS": "60"})
+    assert narrow.exit_code == 0, narrow.output
+    lines = narrow.output.splitlines()
+    assert str(data) in lines and "    store, " in lines[lines.index(str(data)) + 1]
+    assert "3 blocks, not in use" in lines[lines.index(str(data)) + 1]
+    wide = CliRunner().invoke(main, ["cache", "ls"], env={"COLUMNS": "300"})
+    row = next(line for line in wide.output.splitlines() if line.startswith(str(data)))
+    assert row.split()[1:2] == ["store"] and row.split()[-1] == "-"
