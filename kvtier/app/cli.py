@@ -4,6 +4,8 @@ Commands:
     demo    multi-turn ShareGPT chats with and without kvtier: TTFT, hits per tier, identity.
     serve   the cache daemon: a shared KV cache over HTTP (kvtier.server).
     stats   hit rate, hits per tier, occupancy, bytes moved: tables from a daemon or a data dir.
+    explain block by block, where a prompt would hit and why the rest would miss.
+    replay  hit rate per tier against capacity (kvtier's SLRU and LRU) from a trace: sizing.
     cache   ``cache ls``: the data dirs, their size on disk, blocks, who uses them; ``cache rm``.
     clear   remove the caches of the current data dir (``cache rm``).
 
@@ -225,9 +227,13 @@ def _demo_options(kwargs: dict[str, Any]) -> "Any":
 
 
 from kvtier.app.cache_cli import DataDirUnusable, cache, clear  # noqa: E402  (kvtier cache, kvtier clear)
+from kvtier.app.explain_cli import explain as _explain  # noqa: E402  (kvtier explain)
+from kvtier.app.replay_cli import replay as _replay  # noqa: E402  (kvtier replay)
 from kvtier.app.stats_cli import stats as _stats  # noqa: E402  (kvtier stats)
 
 main.add_command(_stats)
+main.add_command(_explain)
+main.add_command(_replay)
 main.add_command(cache)
 main.add_command(clear)
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Sequence
 
+from kvtier.store import misses
+from kvtier.store.misses import Miss, MissMemory
 from kvtier.store.placement import Placement
 from kvtier.store.residency import Residency
 from kvtier.store.results import Lease, LoadResult, StoreStats
@@ -53,6 +55,9 @@ class PrefetchHandle:
         read_jobs: DISK/REMOTE read job ids -> indices of their blocks.
         copy_jobs: pool-to-top copy job ids -> indices of their blocks.
         read_seconds: submit-to-done time of the slowest read job (set once the reads are waited).
+        count: whether the lookup was counted (then so are the blocks it found but does not load).
+        unserved: the reason of each walked block that got no plan (gone since the walk,
+            beyond the top pool, no free slot), counted with the failures on ``wait``.
     """
 
     prefetcher: "Prefetcher"
@@ -62,6 +67,8 @@ class PrefetchHandle:
     copy_jobs: dict[int, list[int]] = field(default_factory=dict)
     submitted_at: float = field(default_factory=time.perf_counter)
     read_seconds: float = 0.0
+    count: bool = False
+    unserved: list[Miss] = field(default_factory=list)
     _result: LoadResult | None = None
     _staged: bool = False
     _abandon: Any = None
@@ -151,25 +158,35 @@ class Prefetcher:
         stats: counts loads and load failures.
         num_io_threads: DISK/REMOTE reads are split into this many jobs.
         observe: ``observe(op, t0)``: the store's latency hook, called with ``"load"``.
+        memory: where blocks that fail verification are remembered (:mod:`kvtier.store.misses`).
     """
 
     def __init__(
         self, placement: Placement, residency: Residency, engine: TransferEngine, stats: StoreStats,
-        num_io_threads: int, observe: Callable[[str, float], None],
+        num_io_threads: int, observe: Callable[[str, float], None], memory: MissMemory,
     ) -> None:
         self.placement, self.engine = placement, engine
-        self._residency, self._stats = residency, stats
+        self._residency, self._stats, self._memory = residency, stats, memory
         self._num_io_threads, self._observe = num_io_threads, observe
 
-    def plan(self, block_hashes: Sequence[BlockHash], media: Sequence[Medium]) -> PrefetchHandle:
+    def plan(
+        self, block_hashes: Sequence[BlockHash], media: Sequence[Medium], count: bool = False,
+        namespace: bytes = b"",
+    ) -> PrefetchHandle:
         """Step 1 (the caller holds the store's lock). ``media``: what the lookup walk found
         for the leading blocks (a REMOTE block was found outside the lock); each block's
-        medium is looked up again here, since the lock was let go in between."""
-        chain = self._chain(block_hashes, media)
+        medium is looked up again here, since the lock was let go in between. ``count``:
+        the walk was counted, so the blocks it found that will not load are counted as
+        misses (with ``namespace``, the store's, for their reasons)."""
+        walked = self._chain(block_hashes, media)
+        unserved: list[Miss] = []
+        if count and len(walked) < len(media):  # gone (or in flight elsewhere) since the walk
+            unserved += misses.classify(self.placement, self._memory, block_hashes[: len(media)], len(walked),
+                                        False, None, namespace)
         # A load never holds more than the top pool: pin only the head that fits, so that the
         # chain's own tail (resident in the top pool after a long store) can make room for it.
         top = self.placement.top
-        chain = chain[: top.num_blocks]
+        chain = walked[: top.num_blocks]
         lease = self._residency.lease([h for h, _ in chain])
         self.placement.make_room(0, sum(1 for _, m in chain if m is not top.medium))
         plans = self._reserve(chain)
@@ -177,7 +194,10 @@ class Prefetcher:
             shorter = self._residency.lease([b.block_hash for b in plans])
             lease.release()
             lease = shorter
-        handle = PrefetchHandle(self, plans, lease)
+        if count:
+            unserved = [(misses.NO_FREE_SLOT, str(m), "") for _, m in chain[len(plans) :]] + [
+                (misses.BEYOND_TOP_CAPACITY, str(m), "") for _, m in walked[top.num_blocks :]] + unserved
+        handle = PrefetchHandle(self, plans, lease, count=count, unserved=unserved)
         self._submit(handle)
         # Dropped without wait() (the request was cancelled): wait its jobs and free its slots.
         handle._abandon = weakref.finalize(
@@ -268,11 +288,17 @@ class Prefetcher:
                         else:
                             self._residency.free_pending(placement.pool(medium), [b.block_hash])
                 if not b.ok:
-                    stats.load_failures[b.reason or "error"] += 1
-                    stats.load_failures_by_tier[(str(b.source), b.reason or "error")] += 1
+                    reason = b.reason or "error"
+                    stats.load_failures[reason] += 1
+                    stats.load_failures_by_tier[(str(b.source), reason)] += 1
+                    self._memory.note_failed(b.block_hash, str(b.source), reason)
                     if b.source is Medium.DISK and b.reason in ("corrupt", "missing") and placement.disk is not None:
                         placement.disk.remove([b.block_hash])  # never claim it again
+                        placement.events.removed(Medium.DISK, [b.block_hash])
             num_ok = next((i for i, b in enumerate(handle.plans) if not b.ok), len(handle.plans))
+            if handle.count:
+                self._count_unserved(handle, num_ok)
+            self._publish_events(handle)
             loaded = handle.plans[:num_ok]
             for b in loaded:
                 stats.loaded_blocks[b.source] += 1
@@ -282,6 +308,29 @@ class Prefetcher:
             handle.lease.release()
             self._observe("load", handle.submitted_at)
             return LoadResult([b.top_id for b in loaded], [b.source for b in loaded], lease)
+
+    def _publish_events(self, handle: PrefetchHandle) -> None:
+        """KV events of the copies this load published: the top pool (and the CPU staging
+        slab) now hold the blocks that arrived."""
+        events, top = self.placement.events, self.placement.top
+        if not events.active:
+            return
+        chain = [b.block_hash for b in handle.plans]
+        events.stored_runs(top.medium, chain, [b.block_hash for b in handle.plans if b.ok and b.source is not top.medium])
+        events.stored(Medium.CPU, [b.block_hash for b in handle.plans if b.ok and b.staging_id is not None])
+
+    def _count_unserved(self, handle: PrefetchHandle, num_ok: int) -> None:
+        """Misses of a counted load: the blocks after the first failure (a failed one by its
+        load-failure reason, a loaded one as after_gap) and those planned out."""
+        unserved = list(handle.unserved)
+        for b in handle.plans[num_ok:]:
+            tier = str(b.source)
+            if b.ok:
+                unserved.append((misses.AFTER_GAP, tier, ""))
+            else:
+                reason = b.reason or "error"
+                unserved.append((misses.load_failure_reason(tier, reason), tier, reason))
+        misses.count(self._stats.miss_tokens, unserved, self.placement.spec.block_size)
 
     def _cancel(self, plans: list[BlockPlan], job_ids: list[int], lease: Lease) -> None:
         """Clean up an abandoned prefetch (the caller holds the store's lock)."""

@@ -16,9 +16,11 @@ import weakref
 from functools import partial
 from typing import Callable, Sequence
 
+from kvtier.store.misses import MissMemory
 from kvtier.store.placement import Placement
 from kvtier.store.residency import Residency
 from kvtier.store.results import StoreHandle, StoreStats
+from kvtier.store.trace import StoreTrace
 from kvtier.store.writes import BackgroundWrites
 from kvtier.types import BlockHash
 
@@ -43,6 +45,10 @@ class StorePath:
     ) -> None:
         self._placement, self._residency, self._writes = placement, residency, writes
         self._stats, self._check_open = stats, check_open
+        self.trace: StoreTrace | None = None
+        """Where completed stores are recorded (``config.trace_path``), if anywhere."""
+        self.memory: MissMemory | None = None
+        """Forgets the failed verification of blocks stored again (kvtier.store.misses)."""
 
     def prepare(self, block_hashes: Sequence[BlockHash]) -> StoreHandle:
         """Top-pool slots for the blocks of ``block_hashes`` not stored yet; stops at the
@@ -91,6 +97,13 @@ class StorePath:
             for h in handle.block_hashes:
                 residency.end_pending(top.medium, h)
             self._stats.stored_blocks[top.medium] += len(handle.block_hashes)
+            chain = handle.lease.block_hashes
+            placement.events.stored_runs(top.medium, (handle.parent, *chain) if handle.parent else chain,
+                                         handle.block_hashes)
+            if self.memory is not None:
+                self.memory.note_stored(handle.block_hashes, None, placement.namespace)
+            if self.trace is not None:
+                self.trace.record("store", handle.lease.block_hashes)
             placement.touch_tail_first(handle.lease.block_hashes, frozenset(handle.block_hashes))
             if placement.write_policy == "write_through":
                 self._writes.write_through(handle.block_hashes)
@@ -125,6 +138,7 @@ class StorePath:
         stored = 0
         for start in range(0, len(block_hashes), chunk):
             handle = self.prepare(block_hashes[start : start + chunk])
+            handle.parent = block_hashes[start - 1] if start else None
             ok = False
             try:
                 if handle.block_ids:

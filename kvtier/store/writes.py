@@ -97,6 +97,7 @@ class BackgroundWrites:
                 self._stats.stored_blocks[Medium.REMOTE] += sum(result.ok)
             else:
                 self._stats.spilled_blocks[medium] += sum(result.ok)
+                self._placement.events.stored(medium, [h for h, ok in zip(lease.block_hashes, result.ok) if ok])
             for reason in result.reasons.values():
                 self._stats.store_failures[reason] += 1
         return True

@@ -129,6 +129,12 @@ class DiskTier:
         with self._lock:
             return iter(list(self._lru.eviction_order()))
 
+    def was_evicted(self, block_hash: BlockHash) -> bool:
+        """Whether ``block_hash`` was evicted from DISK recently (the last 65,536 victims of
+        this process; not remembered across restarts) and not written again since."""
+        with self._lock:
+            return self._lru.was_evicted(block_hash)
+
     def touch(self, block_hash: BlockHash) -> None:
         """A use: most recent, protected from scans."""
         with self._lock:

@@ -87,6 +87,11 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self._free)
 
+    def was_evicted(self, block_hash: BlockHash) -> bool:
+        """Whether ``block_hash`` was evicted from this pool recently (its ghost list: the
+        last ``2 * num_blocks`` victims) and not stored here again since."""
+        return self._lru.was_evicted(block_hash)
+
     def lru_order(self) -> Iterator[BlockHash]:
         """Block hashes in eviction order (probation LRU first, then protected LRU); lazy:
         do not change the pool while iterating."""

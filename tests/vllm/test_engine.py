@@ -143,3 +143,13 @@ def test_corrupt_disk_block_is_recomputed_with_identical_outputs(runs: Runs) -> 
     later = [t["num_cached_tokens"] for t in runs.corrupt["turns"][1:]]
     assert later == [t["num_cached_tokens"] for t in runs.restart["turns"][1:]]
     assert stats["connector"]["load_error_blocks"] == 0  # caught before vLLM counted it
+
+
+def test_the_connector_counts_prompt_tokens_and_the_ttft_its_loads_saved(runs: Runs) -> None:
+    """Every prompt token the engine computed is counted once (the worker, per step, from the
+    scheduler's metadata), and the TTFT the loads saved (or lost) is measured, never "n/a"."""
+    (stats,) = runs.with_["stats"]
+    turns = runs.with_["turns"]
+    assert stats["store"]["computed_tokens"] == sum(t["prompt_tokens"] - t["num_cached_tokens"] for t in turns)
+    assert stats["store"]["ttft_saved_s"] is not None
+    assert stats["store"]["ttft_saved_s"] + stats["store"]["ttft_lost_s"] > 0  # turns 2 and 3 loaded from CPU

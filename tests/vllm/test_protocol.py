@@ -32,7 +32,8 @@ POISON = -7.0
 def make_request(req_id: str, tokens: list[int], cache_salt: str | None = None, lora: str | None = None):
     lora_request = SimpleNamespace(lora_name=lora, lora_path=f"/adapters/{lora}", lora_int_id=1) if lora else None
     return SimpleNamespace(
-        request_id=req_id, all_token_ids=list(tokens), num_tokens=len(tokens), cache_salt=cache_salt,
+        request_id=req_id, all_token_ids=list(tokens), num_tokens=len(tokens), num_prompt_tokens=len(tokens),
+        cache_salt=cache_salt,
         lora_request=lora_request, mm_features=[], prompt_embeds=None,
     )
 
@@ -128,6 +129,7 @@ def stored_engine(make_engine, tokens: list[int], table: list[int], data_dir=Non
     meta, errors = engine.step([(request, 0, len(tokens))])
     assert not errors
     assert [len(s.block_ids) for s in meta.saves] == [len(tokens) // BLOCK]
+    assert meta.prefill_tokens == len(tokens)  # the prompt tokens this step computes (for TTFT saved)
     engine.store.wait_for_writes()  # the write-through DISK job pins its blocks until done
     return engine
 
@@ -171,6 +173,7 @@ def test_only_blocks_after_vllm_own_hit(make_engine) -> None:
     assert engine.admit(request, table, num_local_tokens=2 * BLOCK) == 4 * BLOCK
     meta, errors = engine.step([(request, 6 * BLOCK, 1)])
     assert not errors and [s.block_ids for s in meta.loads] == [[10, 11, 12, 13]]
+    assert meta.prefill_tokens == 1  # 2 blocks vLLM's, 4 loaded: one prompt token computed
     for name in LAYER_NAMES:
         assert torch.equal(engine.caches[name][[10, 11, 12, 13]], engine.caches[name][[2, 3, 4, 5]])
 

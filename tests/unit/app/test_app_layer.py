@@ -83,6 +83,8 @@ def test_cpu_kernels_do_not_import_triton() -> None:
         (["cache", "--help"], "ls"),
         (["cache", "rm", "--help"], "--all"),
         (["clear", "--help"], "--data-dir"),
+        (["explain", "--help"], "--namespace"),
+        (["replay", "--help"], "--sharegpt"),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,
 )
