@@ -27,7 +27,7 @@ from typing import Callable, Literal, Sequence
 
 Stat = Literal["best", "median"]
 GB = 1e9
-"""Throughputs are decimal GB/s (1e9 bytes per second), as in DESIGN.md's numbers."""
+"""Throughputs are decimal GB/s (1e9 bytes per second), as in the LMCache figures the benches compare with."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,7 +57,7 @@ SPEC = KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=
 assert SPEC.block_nbytes == 2 << 20, "the bench is specified on 2 MiB blocks"
 NAMESPACE = KeyContext(model_id="kvtier-bench", dtype="bfloat16", block_size=SPEC.block_size).namespace()
 LMCACHE_NOTE = (
-    "LMCache 0.5.6 reference (DESIGN.md; same machine class, 2 MiB blocks, vs a 16.8 GB/s torch "
+    "LMCache 0.5.6 reference (the project's design figures; same machine class, 2 MiB blocks, vs a 16.8 GB/s torch "
     "copy in its run): CPU put 0.73x, CPU get 0.87x of copy; DISK put 1.09 GB/s; DISK get from "
     "page cache 7.35 GB/s = 0.44x of copy."
 )
@@ -299,7 +299,7 @@ def bench_store_disk(b: Bench) -> list[Row]:
 
 # -- report ----------------------------------------------------------------------------------
 def lmcache_terms(rows: list[Row]) -> str:
-    """kvtier's rows restated in the terms of DESIGN.md's LMCache numbers."""
+    """kvtier's rows restated in the terms of the LMCache 0.5.6 numbers (LMCACHE_NOTE)."""
     by = {r.metric.split(":")[0]: r for r in rows}
     cpu_put, cpu_get = by.get("CPU put"), by.get("CPU get")
     disk_put, disk_get = by.get("DISK put"), by.get("DISK get")

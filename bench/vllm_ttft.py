@@ -219,8 +219,8 @@ def summarize(results: dict[str, dict]) -> tuple[list[Row], str]:
     startup = ", ".join(f"{name} {results[name]['startup_s']:.0f} s" for name in PASSES)
     footnote = (
         "after restart: pass 3, a new engine replaying the chats on pass 2's DISK directory; first run: pass 2, "
-        f"kvtier starting empty (reuse within each chat only). Engine start-up: {startup}. DESIGN.md reference "
-        "(LMCache, same machine class): turns 2-4 p50 0.47 s after a restart; vLLM's prefix cache alone 1.33 s; "
+        f"kvtier starting empty (reuse within each chat only). Engine start-up: {startup}. LMCache reference "
+        "(the project's design figures, same machine class): turns 2-4 p50 0.47 s after a restart; vLLM's prefix cache alone 1.33 s; "
         "everything cached in memory 0.20 s."
     )
     return rows, footnote

@@ -124,8 +124,9 @@ def main() -> None:
         result = share(args.remote_url, "tiny-llama" if args.tiny else "smollm2", Path(tmp), remote_token=args.remote_token)
     for name in ("a", "b"):
         for i, turn in enumerate(result[name]["turns"]):
+            tiers = ", ".join(f"{tier} {n}" for tier, n in turn["cached_by_tier"].items())
             print(f"engine {name.upper()} turn {i + 1}: prompt {turn['prompt_tokens']:4d} tokens, "
-                  f"cached {turn['cached_tokens']:4d} {turn['cached_by_tier']}")
+                  f"{turn['cached_tokens']:4d} cached" + (f" ({tiers})" if tiers else ""))
     same = result["b"]["turns"][-1]["output_ids"] == result["cold"]["turns"][-1]["output_ids"]
     print(f"engine B's reply equals a cold engine's: {same}")
     sys.exit(0 if same else 1)

@@ -144,12 +144,22 @@ def _coerce(name: str, raw: str) -> Any:
     return raw
 
 
-def config_options(func):
+def config_options(func=None, *, exclude: tuple[str, ...] = ()):
     """Click decorator: one ``--gpu-bytes``-style option per ``StoreConfig`` field; the
-    command receives them as keyword arguments (``None`` when not given)."""
+    command receives them as keyword arguments (``None`` when not given).
+
+    ``@config_options(exclude=("block_size",))`` leaves out fields that do not apply to a
+    command (its ``--help`` lists only the flags it honours)."""
+    if func is None:
+        return lambda f: config_options(f, exclude=exclude)
     import click
 
+    unknown = set(exclude) - {f.name for f in fields(StoreConfig)}
+    if unknown:
+        raise ValueError(f"expected StoreConfig field names to exclude, got {sorted(unknown)}")
     for f in reversed(fields(StoreConfig)):
+        if f.name in exclude:
+            continue
         flag = "--" + f.name.replace("_", "-")
         help_text = f"StoreConfig.{f.name} (env {ENV_PREFIX}{f.name.upper()})"
         if f.name == "flush_on_close":

@@ -60,6 +60,8 @@ class Medium(str, enum.Enum):
     def __str__(self) -> str:  # "GPU", not "Medium.GPU", in tables and JSON
         return self.value
 
+    __repr__ = __str__  # print(plan.sources) -> [CPU, CPU, DISK], not [<Medium.CPU: 'CPU'>, ...]
+
 
 # Canonical dtype names: used in keys, DISK record headers and config.
 DTYPE_NAMES: dict[torch.dtype, str] = {

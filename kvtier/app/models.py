@@ -33,8 +33,11 @@ Models are returned in ``eval()`` mode; run them under ``torch.inference_mode()`
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -125,20 +128,47 @@ def load_model(
     dtype = torch.float32 if dtype is None else dtype
 
     bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # the GGUF de-quantization bar; callers draw their own
+    hf_logging.disable_progress_bar()  # transformers' own bars; callers draw their own
     try:
-        if checkpoint is not None:
-            return _load_checkpoint(checkpoint, dtype)
-        if name == "smollm2":
-            return _load_smollm2(dtype)
-        if name == "gemma3-270m":
-            return _load_gemma3(dtype, cache_dir)
-        if name == "tiny-llama":
-            return _load_tiny_llama(dtype)
-        return _load_tiny_family(name.removeprefix("tiny-"), dtype)
+        with _quiet_gguf_bar():
+            return _load_by_name(name, checkpoint, dtype, cache_dir)
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+
+
+def _load_by_name(name: str, checkpoint: Path | None, dtype: torch.dtype, cache_dir: str | Path | None
+                  ) -> tuple[Any, Any, str]:
+    if checkpoint is not None:
+        return _load_checkpoint(checkpoint, dtype)
+    if name == "smollm2":
+        return _load_smollm2(dtype)
+    if name == "gemma3-270m":
+        return _load_gemma3(dtype, cache_dir)
+    if name == "tiny-llama":
+        return _load_tiny_llama(dtype)
+    return _load_tiny_family(name.removeprefix("tiny-"), dtype)
+
+
+@contextlib.contextmanager
+def _quiet_gguf_bar() -> Iterator[None]:
+    """Silence the "Converting and de-quantizing GGUF tensors" bar: a plain ``tqdm`` of
+    ``transformers.modeling_gguf_pytorch_utils`` that the switch above does not reach (it
+    writes carriage returns into logs and pipes)."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        yield
+        return
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
 
 
 def load_smollm2_tokenizer() -> Any:

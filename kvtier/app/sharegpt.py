@@ -179,6 +179,7 @@ def select_conversations(
     min_history_tokens: int = 0,
     model_reply_tokens: int | None = None,
     conversations: list[Conversation] | None = None,
+    exclude: list[Conversation] = (),
 ) -> tuple[list[Conversation], int]:
     """Seeded draw of ``num`` conversations with >= ``num_turns`` turns that fit a token budget.
 
@@ -186,13 +187,15 @@ def select_conversations(
     each message to ``max_message_tokens`` tokens, then skipped when its last prompt (chat
     template included) exceeds ``max_prompt_tokens`` or its last turn's history is shorter than
     ``min_history_tokens``. ``model_reply_tokens``: when the chat's assistant turns will be the
-    model's own replies of at most this many tokens, the estimate uses the dataset replies cut
-    to that length; ``None``: the dataset replies themselves.
+    model's own replies of at most this many tokens, the prompt's estimate uses the dataset
+    replies cut to that length (an upper bound) and the history's uses empty replies (a lower
+    bound: the model may end a reply at once); ``None``: the dataset replies themselves.
 
     Args:
         tokenizer: a transformers tokenizer (chat template optional, see
             :func:`kvtier.app.models.render_chat`).
         conversations: the pool (default: the packaged ShareGPT file).
+        exclude: conversations (as returned, cut) not to choose again (an earlier draw).
 
     Returns:
         ``(conversations, skipped)``; fewer than ``num`` when the pool runs out.
@@ -211,6 +214,8 @@ def select_conversations(
             (truncate_tokens(tokenizer, u, max_message_tokens), truncate_tokens(tokenizer, r, max_message_tokens))
             for u, r in conv[:num_turns]
         ]
+        if turns in exclude:
+            continue
         prompt_tokens, history_tokens = _last_prompt_tokens(tokenizer, turns, model_reply_tokens)
         if prompt_tokens > max_prompt_tokens or history_tokens < min_history_tokens:
             skipped += 1
@@ -220,16 +225,21 @@ def select_conversations(
 
 
 def _last_prompt_tokens(tokenizer: Any, turns: Conversation, model_reply_tokens: int | None) -> tuple[int, int]:
-    """Tokens of the last turn's prompt and of its history (all before the last user message)."""
+    """Tokens of the last turn's prompt and of its history (all before the last user message);
+    see :func:`select_conversations` for the replies each estimate assumes."""
     from kvtier.app.models import render_chat, truncate_tokens
 
-    messages: list[dict[str, str]] = []
-    for user, reply in turns[:-1]:
-        if model_reply_tokens is not None:
-            reply = truncate_tokens(tokenizer, reply, model_reply_tokens)
-        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
-    history = len(render_chat(tokenizer, messages)) if messages else 0
-    prompt = len(render_chat(tokenizer, messages + [{"role": "user", "content": turns[-1][0]}]))
+    def rendered(cut: int | None) -> list[dict[str, str]]:
+        messages: list[dict[str, str]] = []
+        for user, reply in turns[:-1]:
+            reply = reply if cut is None else truncate_tokens(tokenizer, reply, cut) if cut else ""
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+        return messages
+
+    upper = rendered(model_reply_tokens)
+    lower = upper if model_reply_tokens is None else rendered(0)
+    history = len(render_chat(tokenizer, lower)) if lower else 0
+    prompt = len(render_chat(tokenizer, upper + [{"role": "user", "content": turns[-1][0]}]))
     return prompt, history
 
 

@@ -22,8 +22,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +43,9 @@ def fetch_stats(url: str, token: str | None = None, timeout_s: float = 5.0) -> d
     Raises:
         StatsUnavailable: unreachable, refused (401/403: a token is needed), or not JSON.
     """
+    import urllib.error  # here, not at the top: `kvtier --help` should not pay for http.client
+    import urllib.request
+
     request = urllib.request.Request(url.rstrip("/") + "/v1/stats", headers={"Accept": "application/json"})
     if token:
         request.add_header("Authorization", f"Bearer {token}")

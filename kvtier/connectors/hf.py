@@ -137,10 +137,23 @@ class PrefillPlan:
         return {self.cache_kwarg: self.cache}
 
     def cached_tokens_by_medium(self, block_size: int) -> dict[str, int]:
+        """Cached prompt tokens per tier name, fastest tier first: ``{"CPU": 64, "DISK": 32}``."""
         counts: dict[str, int] = {}
-        for medium in self.sources:
+        for medium in sorted(self.sources, key=list(Medium).index):
             counts[str(medium)] = counts.get(str(medium), 0) + block_size
         return counts
+
+    @property
+    def cached_tokens_by_tier(self) -> dict[str, int]:
+        """:meth:`cached_tokens_by_medium` (every source is one block of the same size)."""
+        if not self.sources:
+            return {}
+        return self.cached_tokens_by_medium(self.num_cached_tokens // len(self.sources))
+
+    def __str__(self) -> str:
+        """``"96 cached tokens (CPU 64, DISK 32)"`` or ``"0 cached tokens"``."""
+        tiers = ", ".join(f"{tier} {n}" for tier, n in self.cached_tokens_by_tier.items())
+        return f"{self.num_cached_tokens} cached tokens" + (f" ({tiers})" if tiers else "")
 
 
 class HFConnector:

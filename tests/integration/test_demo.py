@@ -45,7 +45,7 @@ def test_demo_quick_end_to_end_and_second_process_hits_from_disk(tmp_path: Path)
     data_dir, first_json, second_json = tmp_path / "data", tmp_path / "first.json", tmp_path / "second.json"
     result = CliRunner().invoke(main, _demo_args(data_dir, first_json), catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    assert "token hit rate" in result.output and "identical output" in result.output
+    assert "prompt tokens served from kvtier" in result.output and "identical output" in result.output
     first = json.loads(first_json.read_text())
     _check_schema(first)
     assert first["identical_turns"] == first["total_turns"]
@@ -101,12 +101,17 @@ def test_missing_smollm2_raises_with_the_pip_command(monkeypatch: pytest.MonkeyP
 def test_quick_flags_given_explicitly_win() -> None:
     from kvtier.app.cli import _demo_options
 
-    base = dict(model=None, num_conversations=None, num_turns=None, max_new_tokens=None, max_message_tokens=None,
-                max_prompt_tokens=None, history="model", seed=0, min_history_tokens=0, num_threads=None)
+    base = dict(model=None, num_conversations=None, long_conversations=None, num_turns=None, max_new_tokens=None,
+                max_message_tokens=None, max_prompt_tokens=None, history="model", seed=0, min_history_tokens=0,
+                num_threads=None)
     quick = _demo_options({**base, "quick": True, "num_turns": 2, "model": "tiny-llama"})
-    assert (quick.num_conversations, quick.num_turns, quick.model) == (2, 2, "tiny-llama")
+    assert (quick.num_conversations, quick.num_long, quick.num_turns, quick.model) == (2, 1, 2, "tiny-llama")
     full = _demo_options({**base, "quick": False})
-    assert (full.num_conversations, full.num_turns, full.max_new_tokens, full.model) == (8, 4, 32, "smollm2")
+    assert (full.num_conversations, full.num_long, full.num_turns, full.max_new_tokens, full.model) == (
+        8, 2, 4, 32, "smollm2")
+    # --long never asks for more than --conversations
+    assert _demo_options({**base, "quick": False, "num_conversations": 1}).num_long == 1
+    assert _demo_options({**base, "quick": True, "long_conversations": 0}).num_long == 0
 
 
 def test_every_supported_family_has_a_demo_model() -> None:

@@ -245,34 +245,6 @@ def test_clear_data_dir_empties_a_closed_stores_disk_and_refuses_a_live_one(tmp_
     assert not (tmp_path / "nothing-here").exists()
 
 
-def test_kvtier_clear_empties_a_closed_stores_disk_and_refuses_a_live_one(tmp_path):
-    from click.testing import CliRunner
-
-    from kvtier.app.cli import main
-
-    store = open_store(tmp_path, gpu=2, cpu=0, disk=16)
-    hashes = _request(3)
-    store.store(hashes, contents(hashes))
-    store.flush()
-    runner = CliRunner()
-    live = runner.invoke(main, ["clear", "--data-dir", str(tmp_path), "--yes"])
-    assert live.exit_code == 1 and "in use" in live.output
-    store.close()
-    declined = runner.invoke(main, ["clear", "--data-dir", str(tmp_path)], input="n\n")
-    assert declined.exit_code == 1 and "Aborted" in declined.output
-    again = open_store(tmp_path, gpu=2, cpu=0, disk=16)
-    assert again.lookup(hashes).num_hit_blocks == 3  # declined: nothing dropped
-    again.close()
-    done = runner.invoke(main, ["clear", "--yes"], env={"KVTIER_DATA_DIR": str(tmp_path)})
-    assert done.exit_code == 0 and "dropped 3 blocks" in done.output, done.output
-    again = open_store(tmp_path, gpu=2, cpu=0, disk=16)
-    assert again.lookup(hashes).num_hit_blocks == 0
-    again.close()
-    missing = runner.invoke(main, ["clear", "--data-dir", str(tmp_path / "nothing-here"), "--yes"])
-    assert missing.exit_code == 1 and "expected a kvtier DISK tier" in missing.output
-    assert not (tmp_path / "nothing-here").exists()
-
-
 def test_reset_of_a_closed_store_raises(tmp_path):
     store = open_store(tmp_path, gpu=2, cpu=0, disk=0)
     store.close()

@@ -80,6 +80,8 @@ def test_cpu_kernels_do_not_import_triton() -> None:
         (["demo", "--help"], "--conversations"),
         (["serve", "--help"], "--port"),
         (["stats", "--help"], "Usage:"),
+        (["cache", "--help"], "ls"),
+        (["cache", "rm", "--help"], "--all"),
         (["clear", "--help"], "--data-dir"),
         (["explain", "--help"], "--namespace"),
         (["replay", "--help"], "--sharegpt"),
@@ -103,3 +105,16 @@ def test_console_script_points_at_the_app_cli() -> None:
     except PackageNotFoundError:
         pytest.skip("kvtier is not installed (run from the source tree)")
     assert scripts == {"kvtier": "kvtier.app.cli:main"}
+
+
+def test_serve_help_lists_only_the_flags_that_apply() -> None:
+    """The daemon takes block shapes and hashes from its clients and is the bottom tier."""
+    from click.testing import CliRunner
+
+    from kvtier.app.cli import main
+
+    text = CliRunner().invoke(main, ["serve", "--help"]).output
+    for flag in ("--cpu-bytes", "--disk-bytes", "--data-dir", "--durable", "--port"):
+        assert flag in text
+    for flag in ("--block-size", "--hash-name", "--remote-url", "--remote-token", "--remote-timeout-s"):
+        assert flag not in text

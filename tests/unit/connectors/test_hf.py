@@ -250,3 +250,15 @@ def test_reset_empties_the_store_and_a_ticket_from_before_loads_nothing(model, c
     connector.after_request(out[0], plan.cache)
     warm, plan = generate(model, ids, connector)  # stored again after the reset: hits again
     assert plan.num_cached_tokens == 48 and warm == cold
+
+
+def test_plan_and_tiers_print_as_words() -> None:
+    """print(plan) and print(plan.sources) read without enum reprs (issue 16)."""
+    from kvtier.connectors.hf import PrefillPlan
+    from kvtier.types import Medium
+
+    plan = PrefillPlan(48, None, [], [Medium.DISK, Medium.CPU, Medium.DISK])
+    assert str(plan) == "48 cached tokens (CPU 16, DISK 32)"
+    assert plan.cached_tokens_by_tier == {"CPU": 16, "DISK": 32}
+    assert repr(plan.sources) == "[DISK, CPU, DISK]"
+    assert str(PrefillPlan(0, None, [])) == "0 cached tokens"

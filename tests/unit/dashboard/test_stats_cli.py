@@ -118,3 +118,4 @@ def test_stats_from_a_data_dir_and_one_in_use(make_store, namespace, tmp_path):
 def test_stats_refuses_url_and_data_dir_together(tmp_path):
     result = CliRunner().invoke(main, ["stats", "--url", "http://x", "--data-dir", str(tmp_path)])
     assert result.exit_code == 2 and "not both" in result.output
+
