@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import click
@@ -115,7 +116,18 @@ def demo(**kwargs: Any) -> None:
 @main.command()
 @click.option("--host", default=None, help="Address to bind. Default 127.0.0.1; another address needs a token.")
 @click.option("--port", type=click.IntRange(0, 65535), default=None, help="TCP port (0: any free one). Default 8765.")
-@click.option("--token", default=None, help="Bearer token callers must send (default: env KVTIER_TOKEN; none: no auth).")
+@click.option("--unix-socket", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Listen on this Unix socket (0600, in a directory of yours no one else may write): the "
+                   "recommended local way. Without --port/--host, no TCP listener.")
+@click.option("--token", default=None, help="The one token callers must send (admin; default: env KVTIER_TOKEN; "
+                                            "none: no auth).")
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="TOML or JSON file of tenants, their tokens and namespaces, and admin tokens (chmod 600).")
+@click.option("--allow-host", multiple=True, help="Host name callers may use besides IP addresses and localhost "
+                                                  "(repeatable; DNS rebinding protection).")
+@click.option("--max-connections", type=click.IntRange(1), default=None, help="Connections at once. Default 1024.")
+@click.option("--idle-timeout-s", type=click.FloatRange(0, 3600, min_open=True), default=None,
+              help="Close a connection with no request for this long (s). Default 15.")
 @click.option("--max-namespaces", type=click.IntRange(1), default=None, help="Models held at once. Default 8.")
 @click.option("--max-block-bytes", default=None, help="Largest block, e.g. 64MiB (larger: 413). Default 64MiB.")
 @click.option("--max-batch-blocks", type=click.IntRange(1), default=None, help="Blocks per call (more: 413). Default 1024.")
@@ -133,6 +145,7 @@ def serve(**kwargs: Any) -> None:
     try:
         settings = ServeConfig.from_options(config_from_cli(kwargs), kwargs)
         settings.check_bind()
+        settings.tenants()  # a bad token file: a usage error now, not a traceback later
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     try:

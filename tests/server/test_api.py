@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from kvtier.app.cli import main
 from kvtier.records import encode_header
 from kvtier.server.app import REGISTRY, SETTINGS
-from kvtier.server.registry import SPEC_FILE
+from kvtier.server.layout import MARKER_FILE, SPEC_FILE
 from kvtier.server.settings import ServeConfig
 from kvtier.wire import END, frame_prefix, pack, spec_to_wire
 from kvtier.types import KVSpec, Medium
@@ -23,6 +23,7 @@ from tests.server.conftest import (
     SPEC,
     frames,
     hashes,
+    ns_dir,
     ns_url,
     parse_frames,
     register,
@@ -103,7 +104,7 @@ async def test_delete_drops_the_namespace_and_its_blocks(make_api, tmp_path):
     await put_blocks(client, hs, random_blocks(SPEC, 3))
     assert (await client.delete(ns_url())).status == 200
     assert (await client.post(ns_url(NAMESPACE, "lookup"), data=pack({"block_hashes": hs}))).status == 404
-    assert not (tmp_path / "data" / NAMESPACE.hex()).exists()
+    assert not ns_dir(tmp_path / "data").exists()
     assert (await client.delete(ns_url())).status == 404
     await register(client)  # registers afresh, empty
     assert (await lookup(client, hs))["num_blocks"] == 0
@@ -138,9 +139,10 @@ async def test_restart_ignores_directories_not_named_by_a_namespace(make_api, tm
     client = await make_api(settings)
     await register(client)
     await client.close()
-    stray = tmp_path / "data" / NAMESPACE.hex().upper()  # same bytes, another spelling
+    stray = ns_dir(tmp_path / "data").parent / NAMESPACE.hex().upper()  # same bytes, another spelling
     stray.mkdir()
-    (stray / SPEC_FILE).write_bytes((tmp_path / "data" / NAMESPACE.hex() / SPEC_FILE).read_bytes())
+    for name in (SPEC_FILE, MARKER_FILE):
+        (stray / name).write_bytes((ns_dir(tmp_path / "data") / name).read_bytes())
 
     client = await make_api(settings)
     registry = client.server.app[REGISTRY]
@@ -168,7 +170,7 @@ async def test_durable_put_is_on_disk_when_acknowledged(make_api):
     await register(client)
     hs = hashes(4)
     assert await put_blocks(client, hs, random_blocks(SPEC, 4, seed=4)) == [True] * 4
-    store = client.server.app[REGISTRY].get(NAMESPACE).store
+    store = client.server.app[REGISTRY].get("default", NAMESPACE).store
     assert all(h in store.disk for h in hs)
 
 
@@ -180,7 +182,7 @@ async def test_get_streams_more_blocks_than_the_pool_holds(make_api):
         assert await put_blocks(client, hs[start : start + 4], blocks[start : start + 4]) == [True] * 4
     got = await get_blocks(client, hs)
     assert [p for _, _, p in got] == [payload(b) for b in blocks]
-    store = client.server.app[REGISTRY].get(NAMESPACE).store
+    store = client.server.app[REGISTRY].get("default", NAMESPACE).store
     store.check_invariants()  # every pin of the chunks released
 
 
@@ -194,7 +196,7 @@ async def test_a_put_frame_with_a_bad_checksum_is_not_stored(make_api):
     response = await client.post(ns_url(NAMESPACE, "put"), data=bytes(body))
     assert msgpack.unpackb(await response.read())["stored"] == [True, False, True]
     assert (await lookup(client, hs))["num_blocks"] == 1
-    assert client.server.app[REGISTRY].get(NAMESPACE).rejected_blocks == 1
+    assert client.server.app[REGISTRY].get("default", NAMESPACE).rejected_blocks == 1
 
 
 # -- case S1: body limits ------------------------------------------------------------------------
@@ -329,7 +331,7 @@ async def test_bad_input_is_4xx_with_a_message_and_the_daemon_keeps_serving(make
 
     assert (await client.get("/healthz")).status == 200
     assert [p for _, _, p in await get_blocks(client, hs)] == [payload(b) for b in blocks]  # nothing lost
-    client.server.app[REGISTRY].get(NAMESPACE).store.check_invariants()
+    client.server.app[REGISTRY].get("default", NAMESPACE).store.check_invariants()
 
 
 async def test_media_report_the_fastest_tier(make_api):
