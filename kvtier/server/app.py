@@ -29,7 +29,7 @@ kvtier.server.connections), the guard (Host, Origin, Content-Type: kvtier.server
 then auth and access (kvtier.server.auth).
 
 Extending (kvtier.dashboard, explain, KV events): ``app = make_app(settings)``, then
-``app.router.add_get(path, handler)`` and say who may call it: ``app[ACCESS][path] =
+``app.router.add_get(path, handler)`` and say who may call it: ``app[ACCESS][("GET", path)] =
 "public" | "tenant" | "admin"`` (unlisted: admin), for a tenant route scope the answer to
 ``request[CALLER].tenant`` (``registry.of(tenant)``) or register a tenant's view of an admin
 route in ``app[TENANT_VIEWS][path]``; a route that takes a body lists its media type in
@@ -84,8 +84,10 @@ def make_app(settings: ServeConfig) -> web.Application:
     app[TENANT_VIEWS] = {}
     app[BODY_TYPES] = {("PUT", NS): MSGPACK, ("POST", NS + "/lookup"): MSGPACK, ("POST", NS + "/get"): MSGPACK,
                        ("POST", NS + "/put"): FRAMES}
-    app[ACCESS] = {"/healthz": "public", "/openapi.json": "public", "/v1/auth/hello": "public",
-                   NS: "tenant", NS + "/lookup": "tenant", NS + "/get": "tenant", NS + "/put": "tenant"}
+    app[ACCESS] = {("GET", "/healthz"): "public", ("GET", "/openapi.json"): "public",
+                   ("POST", "/v1/auth/hello"): "public", ("PUT", NS): "tenant", ("GET", NS): "tenant",
+                   ("POST", NS + "/lookup"): "tenant", ("POST", NS + "/get"): "tenant",
+                   ("POST", NS + "/put"): "tenant"}
     app.cleanup_ctx.append(_registry_ctx)
     app.on_response_prepare.append(add_proof)
     app.router.add_get("/healthz", healthz)
@@ -114,8 +116,8 @@ def _setup_observability(app: web.Application) -> None:
     )
     app[VIEWS] = views = TenantViews(registry, interval_s=1.0, max_samples=300)
     app.cleanup_ctx.append(views.sampler)
-    app[ACCESS].update({"/metrics": "tenant", "/v1/stats": "tenant", "/dashboard": "public",
-                        "/dashboard/static/{name}": "public"})
+    app[ACCESS].update({("GET", "/metrics"): "tenant", ("GET", "/v1/stats"): "tenant",
+                        ("GET", "/dashboard"): "public", ("GET", "/dashboard/static/{name}"): "public"})
     app[TENANT_VIEWS].update({"/metrics": tenant_metrics, "/v1/stats": tenant_stats})
 
 
@@ -134,7 +136,7 @@ async def _access(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Authenticate (before any body is read), then apply the route's access."""
     resource = request.match_info.route.resource
     path = resource.canonical if resource is not None else None
-    access = request.app[ACCESS].get(path, "admin")
+    access = request.app[ACCESS].get((request.method, path), "admin")
     if access == "public" or request.path in request.app[PUBLIC_PATHS]:
         return await handler(request)
     try:
@@ -147,7 +149,7 @@ async def _access(request: web.Request, handler: Handler) -> web.StreamResponse:
     view = request.app[TENANT_VIEWS].get(path)
     if view is not None:
         return await view(request)
-    if access != "tenant":
+    if access != "tenant" and path is not None:  # no route: the router's 404 or 405
         raise error(web.HTTPForbidden, f"{request.method} {path or request.path[:100]} needs an admin token")
     return await handler(request)
 

@@ -12,7 +12,7 @@ Schemes accepted on every transport:
 A header that is not printable ASCII (not UTF-8, latin-1 bytes, control characters) is a 401
 like any wrong token, never a 500 (issue 12).
 
-Access per route (``app[ACCESS]``, by the route's path template): ``public`` (no token),
+Access per route (``app[ACCESS]``, by method and the route's path template): ``public`` (no token),
 ``tenant`` (any caller; the handler scopes to ``request[CALLER].tenant``), ``admin``. A route
 that is not listed is ``admin``: an endpoint added later shows nothing to a tenant until it
 says how (``app[TENANT_VIEWS]``: a handler that non-admin callers get instead).

@@ -58,6 +58,21 @@ class RateLimitedLog:
 LOG = RateLimitedLog()
 
 
+class RateLimitedLogger(logging.LoggerAdapter):
+    """A logger whose warnings and errors go through :data:`LOG` (one per message per
+    interval): the daemon hands it to aiohttp, which logs a traceback for every request it
+    cannot parse."""
+
+    def log(self, level: int, msg, *args, **kwargs) -> None:
+        if level >= logging.WARNING:
+            dropped = LOG.allow(f"{self.logger.name}: {msg}")
+            if dropped is None:
+                return
+            if dropped:
+                msg = f"{msg} ({dropped} more like it in the last {LOG.interval_s:g} s not logged)"
+        super().log(level, msg, *args, **kwargs)
+
+
 class TooLarge(web.HTTPClientError):
     """413 with a free-form body (aiohttp's HTTPRequestEntityTooLarge wants the sizes)."""
 

@@ -8,6 +8,8 @@ Checked on every request, before authentication (:func:`guard_middleware`):
 - **Origin**: a request that carries one (browsers add it to cross-origin and non-GET calls)
   must come from the daemon's own origin (its dashboard); ``Sec-Fetch-Site: cross-site`` is
   refused too (403).
+- **Path**: no percent-encoding (``%``) anywhere in it: a namespace, a tenant or a file has one
+  spelling, and ``%30`` x 64 is not it (400, like any other spelling of a name: kvtier.checks).
 - **Content-Type**: each route that takes a body names its one media type (``app[BODY_TYPES]``:
   ``application/msgpack`` or ``application/x-kvtier-frames``); anything else, a missing type
   included, is a 415, and so is a body sent to a route that takes none, or any
@@ -58,6 +60,9 @@ def _tcp(request: web.Request) -> bool:
 
 @web.middleware
 async def guard_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if "%" in request.raw_path.partition("?")[0]:
+        raise error(web.HTTPBadRequest, "expected a path without percent-encoding (every name here has one "
+                    "spelling: a namespace is 64 lowercase hex digits)")
     if _tcp(request) and not host_allowed(request.headers.get("Host", ""), request.app[ALLOWED_HOSTS]):
         raise error(web.HTTPMisdirectedRequest, "expected a Host header naming this daemon (an IP address, "
                     "localhost, or a name given with --allow-host)")

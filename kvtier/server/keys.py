@@ -18,7 +18,8 @@ STAGING = web.AppKey("staging", Budget)
 PUBLIC_PATHS = web.AppKey("public_paths", set)
 """Concrete paths served without a token (the dashboard's page and static files)."""
 ACCESS = web.AppKey("access", dict)
-"""``{route path template: "public" | "tenant" | "admin"}``; a route not listed is admin."""
+"""``{(method, route path template): "public" | "tenant" | "admin"}``; a route not listed
+is admin."""
 TENANT_VIEWS = web.AppKey("tenant_views_routes", dict)
 """``{route path template: handler}`` a non-admin caller gets instead of the route's own."""
 OPENAPI_PATHS = web.AppKey("openapi_paths", dict)

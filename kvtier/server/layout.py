@@ -114,16 +114,28 @@ def namespace_dir(data_dir: Path, tenant: str, namespace: bytes) -> Path:
 
 def create_namespace_dir(data_dir: Path, tenant: str, namespace: bytes, spec: KVSpec, name: str | None = None) -> Path:
     """Make the namespace's directory (0700), its marker (with the display name given at
-    registration, if any), then its spec file (both 0600)."""
+    registration, if any), then its spec file (both 0600). A directory already there is
+    reused only if the daemon made it (a namespace being reset, or left by a delete that
+    failed halfway); anything else there raises ``RuntimeError`` and is left alone."""
     path = namespace_dir(data_dir, tenant, namespace)
-    for d in (data_dir / TENANTS_DIR, path.parent, path):
+    for d in (data_dir / TENANTS_DIR, path.parent):
         d.mkdir(mode=0o700, exist_ok=True)
-    if not is_namespace_dir(data_dir, tenant, namespace) and (path / MARKER_FILE).exists():
-        raise RuntimeError(f"{path} holds a marker of another namespace")
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        if not is_namespace_dir(data_dir, tenant, namespace):
+            raise RuntimeError(f"{path} exists and is not a namespace directory this daemon made: "
+                               "leaving it alone") from None
+    _mark(path, tenant, namespace, spec, name)
+    return path
+
+
+def _mark(path: Path, tenant: str, namespace: bytes, spec: KVSpec, name: str | None) -> None:
+    """Write the marker, then the spec (this registration's: DISK records of another spec
+    left there are refused on read, CORRUPT)."""
     marker = {"tenant": tenant, "namespace": namespace, "name": name}
     _write(path / MARKER_FILE, msgpack.packb(marker, use_bin_type=True))
-    _write(path / SPEC_FILE, pack_spec(spec))  # this registration's spec (old DISK records of
-    return path                                # another spec are refused on read: CORRUPT)
+    _write(path / SPEC_FILE, pack_spec(spec))
 
 
 def is_namespace_dir(data_dir: Path, tenant: str, namespace: bytes) -> bool:
@@ -219,7 +231,7 @@ def migrate_legacy(data_dir: Path, tenant: str) -> int:
             continue
         target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.rename(path, target)
-        create_namespace_dir(data_dir, tenant, namespace, spec)
+        _mark(target, tenant, namespace, spec, None)
         tighten(target)
         moved += 1
     return moved

@@ -201,7 +201,8 @@ class Registry:
         """``(namespace, created)``; idempotent for the same spec.
 
         Raises:
-            RegistryError: 409 (known with another spec), 507 (``max_namespaces`` reached,
+            RegistryError: 409 (known with another spec, or its directory holds something the
+                daemon did not make), 507 (``max_namespaces`` reached,
                 the daemon's or the tenant's), 413 (block over ``max_block_bytes``), 400
                 (capacities below one block).
         """
@@ -224,8 +225,10 @@ class Registry:
         try:
             path = layout.namespace_dir(self.data_dir, tenant.name, namespace)
             store = await self.run(self._create_store, tenant.name, namespace, spec, name)
-        except (ValueError, RuntimeError) as exc:
+        except ValueError as exc:
             raise RegistryError(400, str(exc)) from None
+        except RuntimeError as exc:  # a directory there that the daemon did not make
+            raise RegistryError(409, str(exc)) from None
         finally:
             self._busy.pop(key, None)
             busy.set_result(None)
@@ -325,7 +328,7 @@ class Registry:
         try:
             return self._open_store(namespace, spec, path)
         except Exception:
-            layout.remove_namespace_dir(self.data_dir, tenant, namespace)
+            layout.remove_namespace_dir(self.data_dir, tenant, namespace)  # only ever the one it made
             raise
 
     def _open_store(self, namespace: bytes, spec: KVSpec, path: Path) -> TieredStore:

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from kvtier.server.app import make_app
 from kvtier.server.connections import SUPERVISOR
+from kvtier.server.errors import RateLimitedLogger
 from kvtier.server.keys import REGISTRY
 from kvtier.server.settings import ServeConfig
 
@@ -94,7 +95,7 @@ async def start(settings: ServeConfig) -> Running:
     runner = web.AppRunner(
         app, access_log=None, handle_signals=False, shutdown_timeout=settings.shutdown_timeout_s,
         keepalive_timeout=settings.idle_timeout_s, handler_cancellation=True, auto_decompress=False,
-        lingering_time=0,
+        lingering_time=0, logger=RateLimitedLogger(logging.getLogger("aiohttp.server"), {}),
     )
     await runner.setup()  # opens the registry: the data directory lock, the namespaces on DISK
     urls: list[str] = []

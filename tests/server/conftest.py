@@ -40,7 +40,8 @@ def serve_settings(data_dir: Path, cpu_blocks: int = 64, disk_blocks: int = 256,
                         disk_bytes=disk_blocks * record_footprint(spec.block_nbytes), data_dir=data_dir,
                         num_io_threads=1)
     kwargs.setdefault("num_threads", 2)
-    return ServeConfig(store=store, port=0, **kwargs)
+    kwargs.setdefault("port", 0)
+    return ServeConfig(store=store, **kwargs)
 
 
 def ns_dir(data_dir: Path, namespace: bytes = NAMESPACE, tenant: str = "default") -> Path:
