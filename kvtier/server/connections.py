@@ -29,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
+import struct
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -62,9 +64,21 @@ class Conn:
 
     def expire(self, why: str) -> None:
         LOG.log(logger, logging.INFO, f"expire {why}", "closing a connection: %s", why)
-        self.transport.abort()
+        reset(self.transport)
         if self.task is not None and not self.task.done():
             self.task.cancel()
+
+
+def reset(transport: asyncio.BaseTransport | None) -> None:
+    """Close a connection at once with a TCP reset: what the kernel still holds for a client
+    that does not read is dropped too (a plain close would keep sending it)."""
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 class Supervisor:
@@ -107,7 +121,7 @@ class Supervisor:
     def abort_all(self) -> None:
         """Close every connection now (shutdown)."""
         for conn in list(self.conns.values()):
-            conn.transport.abort()
+            reset(conn.transport)
 
     async def _run(self) -> None:
         while True:

@@ -33,7 +33,7 @@ from aiohttp import web
 
 from kvtier.checks import BLOCK_HASH_NBYTES
 from kvtier.records import HEADER_NBYTES, encode_header, parse_header
-from kvtier.server.connections import BodyClock, Budget, Expired, streaming
+from kvtier.server.connections import BodyClock, Budget, Expired, reset, streaming
 from kvtier.server.errors import LOG, error
 from kvtier.types import DTYPE_NAMES, BlockHash
 from kvtier.wire import END, FRAMES, block_bytes, frame_nbytes, frame_prefix, max_frames_nbytes
@@ -91,8 +91,7 @@ async def send_blocks(
         logger.debug("get: client went away mid-stream")
     except Expired as exc:
         logger.debug("get: %s", exc)
-        if request.transport is not None:
-            request.transport.abort()
+        reset(request.transport)
     finally:
         await loads.close()
     if not response.prepared:
@@ -212,8 +211,7 @@ async def receive_blocks(request: web.Request, registry: "Registry", entry: "Nam
             await batch.flush()
             await batch.drain()
     except Expired as exc:
-        if request.transport is not None:
-            request.transport.abort()
+        reset(request.transport)
         raise error(web.HTTPRequestTimeout, f"put body: {exc}") from None
     finally:
         if batch is not None:
@@ -347,13 +345,17 @@ class _Batch:
             self.stored[index] = ok
 
     async def release(self) -> None:
-        """Return the buffers and their budget, at once or (a store still in flight, on an
-        error path or a cancelled call) when that store call is done."""
-        if self.task is not None and not self.task.done():
-            self.task.add_done_callback(lambda _: self._give())
-        else:
-            self._give()
-        self.task = None
+        """Return the buffers and their budget once no store call uses them: wait for a store
+        still in flight (an error path), or, when the call is being cancelled (a deadline, a
+        deletion), return them from that store's completion without waiting."""
+        task, self.task = self.task, None
+        if task is not None and not task.done():
+            try:
+                await asyncio.wait([task])
+            except asyncio.CancelledError:
+                task.add_done_callback(lambda _: self._give())
+                raise
+        self._give()
 
     def _give(self) -> None:
         for buffer in self.buffers:

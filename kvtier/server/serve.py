@@ -94,7 +94,7 @@ async def start(settings: ServeConfig) -> Running:
     app = make_app(settings)
     runner = web.AppRunner(
         app, access_log=None, handle_signals=False, shutdown_timeout=settings.shutdown_timeout_s,
-        keepalive_timeout=settings.idle_timeout_s, handler_cancellation=True, auto_decompress=False,
+        keepalive_timeout=settings.idle_timeout_s + 1, handler_cancellation=True, auto_decompress=False,
         lingering_time=0, logger=RateLimitedLogger(logging.getLogger("aiohttp.server"), {}),
     )
     await runner.setup()  # opens the registry: the data directory lock, the namespaces on DISK
