@@ -27,10 +27,8 @@ printed (``-s``).
 from __future__ import annotations
 
 import json
-import os
 import socket
 import stat
-import urllib.parse
 from collections import Counter
 
 import msgpack

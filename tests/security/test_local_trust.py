@@ -25,7 +25,7 @@ from kvtier.server.serve import prepare_socket_path
 from kvtier.tiers.remote import RemoteTier
 from kvtier.wire import pack
 from tests.conftest import random_blocks
-from tests.security.conftest import NS, TOKEN_A, FakeDaemon, bearer, call, register, request_bytes
+from tests.security.conftest import NS, TOKEN_A, FakeDaemon, bearer, call, register
 from tests.server.conftest import SPEC, ThreadDaemon, frames, hashes, ns_url, serve_settings
 
 
