@@ -398,4 +398,7 @@ async def test_openapi_describes_every_route(make_api):
     assert {("PUT", "/v1/namespaces/{ns}"), ("POST", "/v1/namespaces/{ns}/get"),
             ("POST", "/v1/namespaces/{ns}/put"), ("POST", "/v1/namespaces/{ns}/lookup"),
             ("DELETE", "/v1/namespaces/{ns}"), ("GET", "/v1/namespaces/{ns}"), ("GET", "/healthz"),
-            ("GET", "/openapi.json")} == own
+            ("GET", "/openapi.json"), ("POST", "/v1/auth/hello"), ("POST", "/v1/namespaces/{ns}/reset"),
+            ("GET", "/v1/admin/namespaces"), ("POST", "/v1/admin/reset"),
+            ("DELETE", "/v1/admin/tenants/{tenant}/namespaces/{ns}"),
+            ("POST", "/v1/admin/tenants/{tenant}/namespaces/{ns}/reset")} == own

@@ -1,0 +1,95 @@
+"""The daemon's admin calls (issue 12, item 6): list, empty (reset) and delete namespaces of
+any tenant, live, through :class:`~kvtier.tiers.remote.RemoteTier`; admin token only."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+
+from kvtier.records import ReadStatus
+from kvtier.server.app import REGISTRY
+from kvtier.tiers.remote import RemoteTier
+from kvtier.wire import pack
+from tests.conftest import random_blocks
+from tests.security.conftest import ADMIN, NS, OTHER_NS, TOKEN_A, TOKEN_B, bearer, request_bytes
+from tests.security.conftest import secure_daemon  # noqa: F401 (a fixture)
+from tests.server.conftest import SPEC, hashes, ns_url
+
+
+@pytest.fixture
+def clients(secure_daemon):
+    daemon = secure_daemon(idle_timeout_s=30.0, grace_s=30.0)
+    made = {name: RemoteTier(daemon.url, token=token) for name, token in
+            (("admin", ADMIN), ("a", TOKEN_A), ("b", TOKEN_B))}
+    for name in ("a", "b"):
+        for ns in (NS, OTHER_NS):
+            made[name].register(ns, SPEC)
+    yield daemon, made
+    for remote in made.values():
+        remote.close()
+
+
+def _fill(remote: RemoteTier, namespace: bytes, n: int = 4, seed: int = 0) -> list[bytes]:
+    hs = hashes(n, salt=seed)
+    assert remote.put(namespace, hs, list(random_blocks(SPEC, n, seed=seed))) == [True] * n
+    return hs
+
+
+def test_admin_empties_one_namespace_of_one_tenant_live_and_it_stays_registered(clients):
+    daemon, c = clients
+    a_ns, a_other, b_ns = _fill(c["a"], NS), _fill(c["a"], OTHER_NS, seed=1), _fill(c["b"], NS, seed=2)
+    assert c["admin"].reset(NS, tenant="a") == 1
+    assert c["a"].lookup(NS, a_ns) == 0  # emptied, every tier
+    assert c["a"].lookup(OTHER_NS, a_other) == 4 and c["b"].lookup(NS, b_ns) == 4  # the others untouched
+    assert _fill(c["a"], NS, seed=3) and not c["a"].errors  # still registered: stores again
+    disk = daemon.call(lambda: daemon.app[REGISTRY].get("a", NS).store.usage()["DISK"]["blocks"])
+    assert disk == 0  # DISK emptied too (a write-back store keeps new blocks in memory)
+
+
+def test_admin_empties_everything_and_deletes(clients):
+    daemon, c = clients
+    _fill(c["a"], NS)
+    _fill(c["b"], OTHER_NS, seed=1)
+    listed = c["admin"].namespaces()
+    assert sorted((n["tenant"], n["namespace"]) for n in listed) == sorted(
+        (t, ns.hex()) for t in ("a", "b") for ns in (NS, OTHER_NS))
+    assert all(n["label"].startswith(n["tenant"] + "/") for n in listed)
+    assert c["admin"].reset() == 4
+    assert c["a"].lookup(NS, hashes(4)) == 0 and c["b"].lookup(OTHER_NS, hashes(4, salt=1)) == 0
+    c["admin"].delete(NS, tenant="b")
+    assert sorted((n["tenant"], n["namespace"]) for n in c["admin"].namespaces()) == sorted(
+        [("a", NS.hex()), ("a", OTHER_NS.hex()), ("b", OTHER_NS.hex())])
+    with pytest.raises(LookupError):
+        c["admin"].delete(NS, tenant="b")
+
+
+def test_a_tenant_token_may_not_call_admin(clients):
+    _, c = clients
+    for fn in (lambda: c["a"].namespaces(), lambda: c["a"].reset(), lambda: c["a"].reset(NS),
+               lambda: c["a"].delete(NS), lambda: c["a"].reset(NS, tenant="b")):
+        with pytest.raises(PermissionError, match="403"):
+            fn()
+    assert c["b"].lookup(NS, hashes(1)) == 0 and not c["b"].errors
+
+
+def test_reset_cuts_a_get_nobody_reads_and_frees_its_pins(clients):
+    daemon, c = clients
+    hs = _fill(c["a"], NS, n=32, seed=4)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", daemon.port))
+    body = pack({"block_hashes": hs})
+    sock.sendall(request_bytes("POST", ns_url(NS, "get"), body, {**bearer(TOKEN_A),
+                                                                   "Content-Type": "application/msgpack"}) * 64)
+    time.sleep(0.5)
+    start = time.monotonic()
+    assert c["admin"].reset(NS, tenant="a") == 1
+    assert time.monotonic() - start < 5.0
+    entry = daemon.call(lambda: daemon.app[REGISTRY].get("a", NS))
+    assert daemon.call(lambda: entry.store.residency.pinned()) == {} and entry.pins.used == 0
+    outs = [torch.empty(SPEC.block_shape, dtype=SPEC.dtype)]
+    assert c["a"].get_into(NS, hs[:1], outs) == [ReadStatus.MISSING]
+    sock.close()
