@@ -46,16 +46,17 @@ FAST = dict(idle_timeout_s=1.0, request_timeout_s=5.0, grace_s=0.5, min_rate_byt
 
 @pytest.fixture
 def secure_daemon(tmp_path):
-    """``secure_daemon(**settings)`` -> a started :class:`ThreadDaemon` with the token file
-    of :func:`token_file` (unless ``token``/``token_file`` is given) and the FAST deadlines."""
+    """``secure_daemon(store_data_dir=None, **settings)`` -> a started :class:`ThreadDaemon`
+    with the token file of :func:`token_file` (unless ``token``/``token_file`` is given) and
+    the FAST deadlines, its data in ``store_data_dir`` (default ``tmp_path / "data"``)."""
     daemons: list[ThreadDaemon] = []
 
-    def factory(**kwargs) -> ThreadDaemon:
+    def factory(store_data_dir: Path | None = None, **kwargs) -> ThreadDaemon:
         if "token" not in kwargs and "token_file" not in kwargs:
             kwargs["token_file"] = token_file(tmp_path / "tokens.json")
         for k, v in FAST.items():
             kwargs.setdefault(k, v)
-        daemon = ThreadDaemon(serve_settings(tmp_path / "data", **kwargs)).start()
+        daemon = ThreadDaemon(serve_settings(store_data_dir or tmp_path / "data", **kwargs)).start()
         daemons.append(daemon)
         return daemon
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import socket
 import stat
+import tempfile
 from pathlib import Path
 
 import msgpack
@@ -46,28 +48,36 @@ def test_data_directory_and_every_file_in_it_are_owner_only(secure_daemon, tmp_p
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 def test_another_local_user_can_neither_hold_the_lock_nor_read_a_block(secure_daemon, tmp_path):
-    daemon = secure_daemon()
-    assert register(daemon.port, TOKEN_A) == 201
-    data_dir = daemon.call(lambda: daemon.app[REGISTRY].data_dir)
-    daemon.stop()  # the lock is free: could another user take it, and so keep the daemon from starting?
-    targets = [data_dir / "serve.lock", *data_dir.rglob("data.mdb")]
-    pid = os.fork()
-    if pid == 0:  # the child becomes "nobody"
-        code = 0
-        try:
-            os.setgid(65534)
-            os.setuid(65534)
-            for path in targets:
-                try:
-                    fd = os.open(path, os.O_RDONLY)
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    code = 1
-                except PermissionError:
-                    pass
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "another user opened the lock file or a block file"
+    """As uid 65534, with every directory above the data directory open to all (as /var/lib
+    or a home directory may be): the daemon's own modes must keep that user out."""
+    shared = Path(tempfile.mkdtemp(prefix="kvtier-shared-", dir="/tmp"))
+    try:
+        os.chmod(shared, 0o755)
+        daemon = secure_daemon(store_data_dir=shared / "data")
+        assert register(daemon.port, TOKEN_A) == 201
+        data_dir = daemon.call(lambda: daemon.app[REGISTRY].data_dir)
+        daemon.stop()  # the lock is free: could another user take it, and so keep the daemon from starting?
+        targets = [data_dir / "serve.lock", *data_dir.rglob("data.mdb"), *data_dir.rglob("spec.msgpack")]
+        assert len(targets) >= 3
+        pid = os.fork()
+        if pid == 0:  # the child becomes "nobody"
+            code = 0
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                for path in targets:
+                    try:
+                        fd = os.open(path, os.O_RDONLY)
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        code = 1
+                    except PermissionError:
+                        pass
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "another user opened the lock file or a block file"
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 def test_a_lock_file_replaced_by_a_symlink_is_refused(tmp_path):
