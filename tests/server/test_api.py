@@ -402,3 +402,21 @@ async def test_openapi_describes_every_route(make_api):
             ("GET", "/v1/admin/namespaces"), ("POST", "/v1/admin/reset"),
             ("DELETE", "/v1/admin/tenants/{tenant}/namespaces/{ns}"),
             ("POST", "/v1/admin/tenants/{tenant}/namespaces/{ns}/reset")} == own
+
+
+async def test_namespaces_of_the_layout_before_tenants_move_to_tenant_default_and_hit(make_api, tmp_path):
+    """A data directory of a daemon before tenants (``<data_dir>/<hex>/spec.msgpack + disk/``)
+    is moved to ``tenants/default/`` on start, its blocks still hits."""
+    settings = serve_settings(tmp_path / "data")
+    client = await make_api(settings)
+    await register(client)
+    hs, blocks = hashes(4), random_blocks(SPEC, 4, seed=6)
+    await put_blocks(client, hs, blocks)
+    await client.close()
+    old = tmp_path / "data" / NAMESPACE.hex()
+    ns_dir(tmp_path / "data").rename(old)
+    (old / MARKER_FILE).unlink()
+
+    client = await make_api(settings)
+    assert (await lookup(client, hs)) == {"num_blocks": 4, "media": ["DISK"] * 4}
+    assert not old.exists() and (ns_dir(tmp_path / "data") / MARKER_FILE).is_file()
