@@ -117,7 +117,10 @@ class _Loads:
         part, n, future = self.ahead
         self.ahead = None
         try:
-            loaded, blocks = await future
+            loaded, blocks = await asyncio.shield(future)
+        except asyncio.CancelledError:  # the load goes on: release what it pins once it is done
+            future.add_done_callback(self._dropper(n))
+            raise
         except BaseException:
             self.pins.give(n)
             raise
@@ -128,16 +131,22 @@ class _Loads:
         self.pins.give(pinned.n)
 
     async def close(self) -> None:
-        """Release a chunk loaded ahead that will not be sent."""
+        """Release a chunk loaded ahead that will not be sent (once its load is done)."""
         if self.ahead is not None:
-            part, n, future = self.ahead
+            _, n, future = self.ahead
             self.ahead = None
+            future.add_done_callback(self._dropper(n))
+
+    def _dropper(self, n: int):
+        def drop(future: asyncio.Future) -> None:
             try:
-                (await asyncio.shield(future))[0].lease.release()
-            except Exception:  # the load failed: nothing is pinned
+                future.result()[0].lease.release()
+            except BaseException:  # the load failed or was cancelled: nothing is pinned
                 logger.debug("get: a load ahead failed", exc_info=True)
             finally:
                 self.pins.give(n)
+
+        return drop
 
 
 class _Pinned(NamedTuple):
