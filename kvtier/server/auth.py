@@ -41,6 +41,8 @@ CALLER = _KEY("kvtier_caller", Caller) if _KEY else "kvtier_caller"
 _PROOF = _KEY("kvtier_proof", tuple) if _KEY else "kvtier_proof"
 SESSION_TTL_S = 3600.0
 MAX_SESSIONS = 4096
+MAX_SESSIONS_PER_KEY = 256
+"""A token's own sessions beyond this push out its oldest, never another token's."""
 _WINDOW = 1024
 """Counters a session remembers: a counter at or below the oldest kept is refused."""
 
@@ -59,6 +61,7 @@ class _Session:
     tenant: Tenant
     key: bytes
     expires: float
+    key_id: str = ""
     floor: int = 0
     seen: set[int] = field(default_factory=set)
 
@@ -79,6 +82,7 @@ class Sessions:
     def __init__(self, tenants: Tenants, max_sessions: int = MAX_SESSIONS, ttl_s: float = SESSION_TTL_S) -> None:
         self.tenants, self.max_sessions, self.ttl_s = tenants, max_sessions, ttl_s
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._by_key: dict[str, OrderedDict[str, None]] = {}
 
     def hello(self, header: str) -> tuple[dict, str]:
         """``(reply body, proof)`` for a valid hello; raises :class:`AuthError`."""
@@ -94,9 +98,13 @@ class Sessions:
         token, tenant = found
         sid, server_nonce = os.urandom(auth.SESSION_NBYTES).hex(), auth.nonce()
         key = auth.session_key(token, sid, p["nonce"], server_nonce)
-        self._sessions[sid] = _Session(tenant, key, time.monotonic() + self.ttl_s)
+        self._sessions[sid] = _Session(tenant, key, time.monotonic() + self.ttl_s, p["key"])
+        own = self._by_key.setdefault(p["key"], OrderedDict())
+        own[sid] = None
+        while len(own) > MAX_SESSIONS_PER_KEY:
+            self._drop(next(iter(own)))
         while len(self._sessions) > self.max_sessions:
-            self._sessions.popitem(last=False)
+            self._drop(next(iter(self._sessions)))
         body = {"session": sid, "nonce": server_nonce, "ttl_s": self.ttl_s}
         return body, auth.hello_proof(token, p["nonce"], sid, server_nonce)
 
@@ -109,7 +117,7 @@ class Sessions:
         session = self._sessions.get(p["id"])
         now = time.monotonic()
         if session is None or session.expires < now:
-            self._sessions.pop(p["id"], None)
+            self._drop(p["id"])
             raise AuthError("unknown or expired session: say hello again", renew=True)
         if not auth.equal(auth.request_signature(session.key, method, path_qs, p["n"], endpoint), p["sig"]):
             raise AuthError("wrong signature (a request signed for another address, method or path)")
@@ -117,7 +125,17 @@ class Sessions:
             raise AuthError("counter already used or too old: say hello again", renew=True)
         session.expires = now + self.ttl_s
         self._sessions.move_to_end(p["id"])
+        self._by_key[session.key_id].move_to_end(p["id"])
         return session.tenant, session.key, p["n"]
+
+    def _drop(self, sid: str) -> None:
+        session = self._sessions.pop(sid, None)
+        if session is not None:
+            own = self._by_key.get(session.key_id)
+            if own is not None:
+                own.pop(sid, None)
+                if not own:
+                    del self._by_key[session.key_id]
 
 
 def endpoint_of(request: web.Request) -> str:

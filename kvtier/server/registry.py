@@ -224,7 +224,8 @@ class Registry:
             await asyncio.shield(busy)  # another call registers, deletes or resets it: wait, then look again
         try:
             path = layout.namespace_dir(self.data_dir, tenant.name, namespace)
-            store = await self.run(self._create_store, tenant.name, namespace, spec, name)
+            # shielded: a registration cut halfway (its caller gone) still ends in a known state
+            store = await asyncio.shield(self.run(self._create_store, tenant.name, namespace, spec, name))
         except ValueError as exc:
             raise RegistryError(400, str(exc)) from None
         except RuntimeError as exc:  # a directory there that the daemon did not make
@@ -250,14 +251,15 @@ class Registry:
         return len(self.namespaces) + sum(1 for k in self._busy if k not in self.namespaces)
 
     async def delete(self, tenant: str, namespace: bytes) -> bool:
-        """Cut the namespace's calls in flight, close its store, delete its directory."""
-        return await self._change(tenant, namespace, remove=True)
+        """Cut the namespace's calls in flight, close its store, delete its directory. Runs
+        to the end even if the call that asked is cut (shielded)."""
+        return await asyncio.shield(self._change(tenant, namespace, remove=True))
 
     async def reset(self, tenant: str, namespace: bytes) -> bool:
         """Empty the namespace (every tier, DISK included) and keep it registered: its calls
         in flight are cut, its store is closed without a flush, its DISK tier deleted, and a
-        new store opened in its place."""
-        return await self._change(tenant, namespace, remove=False)
+        new store opened in its place (shielded, like :meth:`delete`)."""
+        return await asyncio.shield(self._change(tenant, namespace, remove=False))
 
     async def _change(self, tenant: str, namespace: bytes, remove: bool) -> bool:
         key = (tenant, namespace)

@@ -27,7 +27,7 @@ from kvtier.server.serve import prepare_socket_path
 from kvtier.tiers.remote import RemoteTier
 from kvtier.wire import pack
 from tests.conftest import random_blocks
-from tests.security.conftest import NS, TOKEN_A, FakeDaemon, bearer, call, register
+from tests.security.conftest import NS, TOKEN_A, TOKEN_B, FakeDaemon, bearer, call, register
 from tests.server.conftest import SPEC, ThreadDaemon, frames, hashes, ns_url, serve_settings
 
 
@@ -221,3 +221,20 @@ def test_a_socket_in_a_directory_others_may_write_is_refused(tmp_path):
     (tmp_path / "mine" / "kvtier.sock").write_text("a file")
     with pytest.raises(RuntimeError, match="not a socket"):
         prepare_socket_path(tmp_path / "mine" / "kvtier.sock")
+
+
+def test_one_tokens_hellos_never_push_out_another_tokens_session(secure_daemon):
+    from kvtier.server.auth import MAX_SESSIONS_PER_KEY
+
+    daemon = secure_daemon()
+    a, b = RemoteTier(daemon.url, token=TOKEN_A), RemoteTier(daemon.url, token=TOKEN_B)
+    try:
+        a.register(NS, SPEC)
+        for _ in range(MAX_SESSIONS_PER_KEY + 5):  # b opens sessions in a loop
+            b._session.sid = None
+            b.lookup(NS, hashes(1))
+        sid = a._session.sid
+        assert a.lookup(NS, hashes(1)) == 0 and a._session.sid == sid and not a.errors  # a's session still good
+    finally:
+        a.close()
+        b.close()
