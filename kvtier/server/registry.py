@@ -222,10 +222,16 @@ class Registry:
                     busy = self._busy[key] = asyncio.get_running_loop().create_future()
                     break
             await asyncio.shield(busy)  # another call registers, deletes or resets it: wait, then look again
+        # shielded: a registration whose caller is cut still ends with its store added (or closed)
+        return await asyncio.shield(self._create(tenant, namespace, spec, name, busy)), True
+
+    async def _create(self, tenant: Tenant, namespace: bytes, spec: KVSpec, name: str | None,
+                      busy: asyncio.Future) -> Namespace:
+        key = (tenant.name, namespace)
         try:
             path = layout.namespace_dir(self.data_dir, tenant.name, namespace)
-            # shielded: a registration cut halfway (its caller gone) still ends in a known state
-            store = await asyncio.shield(self.run(self._create_store, tenant.name, namespace, spec, name))
+            store = await self.run(self._create_store, tenant.name, namespace, spec, name)
+            return self._add(Namespace(tenant.name, namespace, spec, store, path, name))
         except ValueError as exc:
             raise RegistryError(400, str(exc)) from None
         except RuntimeError as exc:  # a directory there that the daemon did not make
@@ -233,7 +239,6 @@ class Registry:
         finally:
             self._busy.pop(key, None)
             busy.set_result(None)
-        return self._add(Namespace(tenant.name, namespace, spec, store, path, name)), True
 
     def _check_room(self, tenant: Tenant, spec: KVSpec) -> None:
         if spec.block_nbytes > self.settings.max_block_bytes:
