@@ -30,9 +30,10 @@ from __future__ import annotations
 import posixpath
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvtier.types import BlockHash
+if TYPE_CHECKING:  # kvtier.types imports torch; the CLI's --help (StoreConfig's checks) must not
+    from kvtier.types import BlockHash
 
 NAMESPACE_NBYTES = 32
 BLOCK_HASH_NBYTES = (16, 32)
