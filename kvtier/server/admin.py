@@ -17,6 +17,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from kvtier.checks import namespace_hex, parse_namespace, parse_tenant
+from kvtier.server.connections import own_deadline
 from kvtier.server.errors import error
 from kvtier.server.keys import REGISTRY
 from kvtier.server.registry import Registry
@@ -63,6 +64,7 @@ async def list_namespaces(request: web.Request) -> web.Response:
 
 
 async def reset_all(request: web.Request) -> web.Response:
+    own_deadline(request)  # closes and reopens stores: may take long
     registry = _registry(request)
     done = 0
     for entry in list(registry):
@@ -71,6 +73,7 @@ async def reset_all(request: web.Request) -> web.Response:
 
 
 async def reset_one(request: web.Request) -> web.Response:
+    own_deadline(request)  # closes and reopens stores: may take long
     tenant, namespace = _key(request)
     if not await _registry(request).reset(tenant, namespace):
         raise error(web.HTTPNotFound, f"tenant {tenant} has no namespace {namespace_hex(namespace)}")
@@ -78,6 +81,7 @@ async def reset_one(request: web.Request) -> web.Response:
 
 
 async def delete_one(request: web.Request) -> web.Response:
+    own_deadline(request)  # closes and reopens stores: may take long
     tenant, namespace = _key(request)
     if not await _registry(request).delete(tenant, namespace):
         raise error(web.HTTPNotFound, f"tenant {tenant} has no namespace {namespace_hex(namespace)}")

@@ -46,7 +46,7 @@ from kvtier.checks import BatchTooLarge, check_block_hashes, namespace_hex, pars
 from kvtier.dashboard import setup_observability
 from kvtier.server import admin, frames
 from kvtier.server.auth import CALLER, AuthError, Sessions, add_proof, authenticate, hello, unauthorized
-from kvtier.server.connections import SUPERVISOR, Budget, Supervisor
+from kvtier.server.connections import SUPERVISOR, Budget, Supervisor, own_deadline
 from kvtier.server.errors import Handler, error, errors_middleware
 from kvtier.server.guard import ALLOWED_HOSTS, BODY_TYPES, guard_middleware
 from kvtier.server.keys import (ACCESS, OPENAPI_PATHS, PUBLIC_PATHS, REGISTRY, SESSIONS, SETTINGS, STAGING,
@@ -251,6 +251,7 @@ async def info(request: web.Request) -> web.Response:
 
 
 async def delete(request: web.Request) -> web.Response:
+    own_deadline(request)  # closes a store: may take long
     namespace = _namespace(request)
     if not await request.app[REGISTRY].delete(_caller(request).tenant.name, namespace):
         raise _unknown(namespace)
@@ -258,6 +259,7 @@ async def delete(request: web.Request) -> web.Response:
 
 
 async def reset(request: web.Request) -> web.Response:
+    own_deadline(request)  # closes a store: may take long
     namespace = _namespace(request)
     if not await request.app[REGISTRY].reset(_caller(request).tenant.name, namespace):
         raise _unknown(namespace)

@@ -6,7 +6,8 @@ What bounds what:
 idle                          a connection with no call in progress is closed after
                               ``idle_timeout_s``: idle keep-alives, and requests whose headers never
                               finish (slowloris); aiohttp's own keep-alive timer says the same
-call                          a call that streams no blocks is cut after ``request_timeout_s``
+call                          a call that streams no blocks is cut after ``request_timeout_s`` (admin
+                              calls excepted: they close and reopen stores)
 put body (:class:`BodyClock`) reads may wait ``grace_s + bytes / min_rate`` in all (time the
                               daemon spends storing does not count); chunked bodies too
 get response (``BodyClock``)  writes may wait ``grace_s + bytes / min_rate`` in all
@@ -154,8 +155,9 @@ class Supervisor:
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 
 
-def streaming(request: web.Request) -> None:
-    """The call streams blocks: its own :class:`BodyClock` bounds it, not ``request_timeout_s``."""
+def own_deadline(request: web.Request) -> None:
+    """Not ``request_timeout_s`` for this call: it bounds itself (a stream of blocks: its
+    :class:`BodyClock`) or may take long by design (an admin emptying every namespace)."""
     supervisor = request.app.get(SUPERVISOR)
     conn = supervisor.conns.get(request.protocol) if supervisor is not None else None
     if conn is not None:

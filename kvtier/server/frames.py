@@ -33,7 +33,7 @@ from aiohttp import web
 
 from kvtier.checks import BLOCK_HASH_NBYTES
 from kvtier.records import HEADER_NBYTES, encode_header, parse_header
-from kvtier.server.connections import BodyClock, Budget, Expired, reset, streaming
+from kvtier.server.connections import BodyClock, Budget, Expired, own_deadline, reset
 from kvtier.server.errors import LOG, error
 from kvtier.types import DTYPE_NAMES, BlockHash
 from kvtier.wire import END, FRAMES, block_bytes, frame_nbytes, frame_prefix, max_frames_nbytes
@@ -61,7 +61,7 @@ async def send_blocks(
     hit); writes are bounded by a :class:`BodyClock` (a client that does not read is cut off
     and its pins released)."""
     settings = registry.settings
-    streaming(request)
+    own_deadline(request)
     pins: Budget = entry.pins
     chunk = max(1, min(pins.capacity // 4, _LOAD_CHUNK_BYTES // entry.spec.block_nbytes))
     clock = BodyClock(settings.grace_s, settings.min_rate_bytes_per_s)
@@ -188,7 +188,7 @@ async def receive_blocks(request: web.Request, registry: "Registry", entry: "Nam
     bounded by a :class:`BodyClock`, staging memory by ``staging`` (a put that finds none
     free within ``grace_s`` is a 503)."""
     settings = registry.settings
-    streaming(request)
+    own_deadline(request)
     limit = max_frames_nbytes(settings.max_batch_blocks, settings.max_block_bytes)
     if request.content_length is not None and request.content_length > limit:
         raise error(web.HTTPRequestEntityTooLarge, f"expected a put body of at most {limit} bytes "

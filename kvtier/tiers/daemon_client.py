@@ -29,6 +29,8 @@ logger = logging.getLogger("kvtier.tiers.remote")
 
 SMALL_REPLY_NBYTES = 4 << 10
 """Largest reply read for register, hello, admin deletes and error messages."""
+_ADMIN_TIMEOUT_S = 300.0
+"""Admin calls (emptying every namespace closes and reopens every store) may take this long."""
 
 
 class _Retry(Retry):
@@ -126,9 +128,10 @@ class DaemonClient:
 
     def _admin(self, method: str, path: str, cap: int = SMALL_REPLY_NBYTES) -> dict:
         try:
-            with call(max(self.timeout_s, 120.0)) as ctx:
+            with call(_ADMIN_TIMEOUT_S) as ctx:  # emptying namespaces takes a while: not cache traffic
                 self._ensure_session(ctx)
-                response = self._request(ctx, method, self._root + path, b"", None, probe=False)
+                response = self._request(ctx, method, self._root + path, b"", None, probe=False,
+                                         read_timeout_s=_ADMIN_TIMEOUT_S)
                 if response.status in (200, 201):
                     return unpack_map(read_capped(response, cap, ctx), "admin reply")
                 message = self._error_text(response, ctx)
@@ -144,13 +147,13 @@ class DaemonClient:
 
     # -- HTTP -------------------------------------------------------------------------------------
     def _request(self, ctx: Call, method: str, path: str, body: Any, content_type: str | None, *,
-                 headers: dict | None = None, probe: bool = True):
+                 headers: dict | None = None, probe: bool = True, read_timeout_s: float | None = None):
         """One HTTP exchange (urllib3 retries fast failures), signed and proven when the
         daemon is reached over ``http://`` with a token; a session the daemon forgot (it
         restarted) is opened again once. Any status comes back, its body unread. Raises
         :class:`Failed` when the daemon cannot be reached, does not prove itself, or is busy."""
         for attempt in range(2):
-            response = self._exchange(ctx, method, path, body, content_type, headers, probe)
+            response = self._exchange(ctx, method, path, body, content_type, headers, probe, read_timeout_s)
             if self._session is None:
                 return response
             if response.status == 401 and 'error="renew"' in response.headers.get("WWW-Authenticate", ""):
@@ -171,7 +174,7 @@ class DaemonClient:
         raise AssertionError("unreachable")
 
     def _exchange(self, ctx: Call, method: str, path: str, body: Any, content_type: str | None,
-                  headers: dict | None, probe: bool):
+                  headers: dict | None, probe: bool, read_timeout_s: float | None = None):
         if self._closed:
             raise Failed("unavailable")
         if probe and self.backoff.paused():
@@ -180,8 +183,9 @@ class DaemonClient:
         if content_type is not None:
             all_headers["Content-Type"] = content_type
         try:
+            longer = {"timeout": urllib3.Timeout(connect=self.timeout_s, read=read_timeout_s)} if read_timeout_s else {}
             response = self._pool.urlopen(method, path, body=body, headers=all_headers, preload_content=False,
-                                          decode_content=False, redirect=False)
+                                          decode_content=False, redirect=False, **longer)
         except MaxRetryError as exc:
             self._down(exc.reason)
             raise Failed("timeout" if is_timeout(exc.reason) or ctx.expired() else "unavailable") from None

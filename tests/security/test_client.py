@@ -38,6 +38,7 @@ def _body_trickled(sock: socket.socket, head: bytes) -> None:
     _trickle(sock, body)
 
 
+@pytest.mark.slow  # 3 calls x 1 s of trickle each
 @pytest.mark.parametrize("handler", [_headers_trickled, _body_trickled], ids=["headers", "body"])
 def test_every_call_to_a_daemon_that_trickles_returns_within_its_timeout(handler):
     fake = FakeDaemon(handler)
