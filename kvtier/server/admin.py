@@ -4,8 +4,10 @@ CLI's ``kvtier cache ls/rm`` and ``kvtier clear`` call them through
 
     GET    /v1/admin/namespaces                           {"namespaces": [{tenant, namespace,
                                                           label, block_shape, dtype, usage}, ...]}
-    POST   /v1/admin/reset                                empty every namespace -> {"reset": n}
-    POST   /v1/admin/tenants/{tenant}/namespaces/{ns}/reset   empty one -> {"reset": true}
+    POST   /v1/admin/reset                                empty every namespace -> {"reset": n,
+                                                          "blocks": blocks they held}
+    POST   /v1/admin/tenants/{tenant}/namespaces/{ns}/reset   empty one -> {"reset": true,
+                                                          "blocks": blocks it held}
     DELETE /v1/admin/tenants/{tenant}/namespaces/{ns}     delete one -> {"deleted": true}
 
 Emptying a namespace cuts its calls in flight, drops every block in every tier (DISK
@@ -66,18 +68,21 @@ async def list_namespaces(request: web.Request) -> web.Response:
 async def reset_all(request: web.Request) -> web.Response:
     own_deadline(request)  # closes and reopens stores: may take long
     registry = _registry(request)
-    done = 0
+    done = blocks = 0
     for entry in list(registry):
-        done += await registry.reset(entry.tenant, entry.namespace)
-    return _reply({"reset": done})
+        held = await registry.reset(entry.tenant, entry.namespace)
+        if held is not None:
+            done, blocks = done + 1, blocks + held
+    return _reply({"reset": done, "blocks": blocks})
 
 
 async def reset_one(request: web.Request) -> web.Response:
     own_deadline(request)  # closes and reopens stores: may take long
     tenant, namespace = _key(request)
-    if not await _registry(request).reset(tenant, namespace):
+    held = await _registry(request).reset(tenant, namespace)
+    if held is None:
         raise error(web.HTTPNotFound, f"tenant {tenant} has no namespace {namespace_hex(namespace)}")
-    return _reply({"reset": True})
+    return _reply({"reset": True, "blocks": held})
 
 
 async def delete_one(request: web.Request) -> web.Response:

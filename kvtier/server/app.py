@@ -261,9 +261,10 @@ async def delete(request: web.Request) -> web.Response:
 async def reset(request: web.Request) -> web.Response:
     own_deadline(request)  # closes a store: may take long
     namespace = _namespace(request)
-    if not await request.app[REGISTRY].reset(_caller(request).tenant.name, namespace):
+    held = await request.app[REGISTRY].reset(_caller(request).tenant.name, namespace)
+    if held is None:
         raise _unknown(namespace)
-    return msgpack_response({"reset": True})
+    return msgpack_response({"reset": True, "blocks": held})
 
 
 async def lookup(request: web.Request) -> web.Response:

@@ -104,6 +104,8 @@ def _core(settings: "ServeConfig") -> dict:
     tenant_param = {"name": "tenant", "in": "path", "required": True, "description": "a tenant of the token file",
                     "schema": {"type": "string", "pattern": "^[a-z0-9][a-z0-9_-]{0,31}$"}}
     reply = lambda key: _msgpack({"type": "object", "properties": {key: {"type": "boolean"}}})  # noqa: E731
+    emptied = _msgpack({"type": "object", "properties": {"reset": {"type": "boolean"}, "blocks": {
+        "type": "integer", "minimum": 0, "description": "distinct blocks it held when the reset began"}}})
     return {
         "openapi": "3.0.3",
         "info": {"title": "kvtier cache daemon", "version": __version__,
@@ -153,20 +155,21 @@ def _core(settings: "ServeConfig") -> dict:
             },
             "/v1/namespaces/{ns}/reset": {"parameters": [ns_param], "post": {
                 "summary": "Empty the namespace, every tier; it stays registered (admin token)",
-                "responses": {"200": reply("reset"), **common}}},
+                "responses": {"200": emptied, **common}}},
             "/v1/admin/namespaces": {"get": {
                 "summary": "Every tenant's namespaces: tenant, namespace, label, spec, usage (admin token)",
                 "responses": {"200": _msgpack({"type": "object"}), **admin}}},
             "/v1/admin/reset": {"post": {
                 "summary": "Empty every namespace of every tenant (admin token)",
-                "responses": {"200": _msgpack({"type": "object", "properties": {"reset": {"type": "integer"}}}),
+                "responses": {"200": _msgpack({"type": "object", "properties": {"reset": {"type": "integer"},
+                                                                                 "blocks": {"type": "integer"}}}),
                               **admin}}},
             "/v1/admin/tenants/{tenant}/namespaces/{ns}": {"parameters": [tenant_param, ns_param], "delete": {
                 "summary": "Drop a tenant's namespace and all its blocks (admin token)",
                 "responses": {"200": reply("deleted"), **admin, "404": _error("no such namespace")}}},
             "/v1/admin/tenants/{tenant}/namespaces/{ns}/reset": {"parameters": [tenant_param, ns_param], "post": {
                 "summary": "Empty a tenant's namespace (admin token)",
-                "responses": {"200": reply("reset"), **admin, "404": _error("no such namespace")}}},
+                "responses": {"200": emptied, **admin, "404": _error("no such namespace")}}},
             "/v1/namespaces/{ns}/lookup": {"parameters": [ns_param], "post": {
                 "summary": "Leading blocks present and where",
                 "requestBody": {"required": True, "content": {MSGPACK: {"schema": hashes}}},

@@ -260,13 +260,14 @@ class Registry:
         to the end even if the call that asked is cut (shielded)."""
         return await asyncio.shield(self._change(tenant, namespace, remove=True))
 
-    async def reset(self, tenant: str, namespace: bytes) -> bool:
+    async def reset(self, tenant: str, namespace: bytes) -> int | None:
         """Empty the namespace (every tier, DISK included) and keep it registered: its calls
         in flight are cut, its store is closed without a flush, its DISK tier deleted, and a
-        new store opened in its place (shielded, like :meth:`delete`)."""
+        new store opened in its place (shielded, like :meth:`delete`). Returns the distinct
+        blocks it held when the reset began, ``None`` when there is no such namespace."""
         return await asyncio.shield(self._change(tenant, namespace, remove=False))
 
-    async def _change(self, tenant: str, namespace: bytes, remove: bool) -> bool:
+    async def _change(self, tenant: str, namespace: bytes, remove: bool) -> bool | int | None:
         key = (tenant, namespace)
         while True:
             async with self._changes:
@@ -274,12 +275,13 @@ class Registry:
                 busy = self._busy.get(key)
                 if busy is None:
                     if entry is None:
-                        return False
+                        return False if remove else None
                     entry.closing = True
                     busy = self._busy[key] = asyncio.get_running_loop().create_future()
                     break
             await asyncio.shield(busy)
         try:
+            held = 0 if remove else await self.run(_held_blocks, entry.store)
             await self._retire(entry, flush=False)
             if remove:
                 await self.run(layout.remove_namespace_dir, self.data_dir, tenant, namespace)
@@ -289,7 +291,7 @@ class Registry:
             await self.run(layout.wipe_blocks, self.data_dir, tenant, namespace)
             store = await self.run(self._create_store, tenant, namespace, entry.spec, entry.name)
             self._add(Namespace(tenant, namespace, entry.spec, store, entry.path, entry.name))
-            return True
+            return held
         finally:
             self._busy.pop(key, None)
             busy.set_result(None)
@@ -351,3 +353,12 @@ def _close_store(store: TieredStore, flush: bool) -> None:
     if not flush and store.config.flush_on_close:
         store.config = replace(store.config, flush_on_close=False)
     store.close()
+
+
+def _held_blocks(store: TieredStore) -> int:
+    """Distinct blocks ``store`` holds in any tier (a reset's reply)."""
+    with store.residency.lock:
+        held = {h for pool in store.pools for h in pool.lru_order()}
+        if store.disk is not None:
+            held.update(store.disk.lru_order())
+    return len(held)

@@ -31,6 +31,8 @@ SMALL_REPLY_NBYTES = 4 << 10
 """Largest reply read for register, hello, admin deletes and error messages."""
 _ADMIN_TIMEOUT_S = 300.0
 """Admin calls (emptying every namespace closes and reopens every store) may take this long."""
+RESET_ONE_TIMEOUT_S = 30.0
+"""Emptying one namespace (closing and reopening one store) may take this long."""
 
 
 class _Retry(Retry):
@@ -126,12 +128,12 @@ class DaemonClient:
             return f"/v1/namespaces/{ns}"
         return f"/v1/admin/tenants/{parse_tenant(tenant)}/namespaces/{ns}"
 
-    def _admin(self, method: str, path: str, cap: int = SMALL_REPLY_NBYTES) -> dict:
+    def _admin(self, method: str, path: str, cap: int = SMALL_REPLY_NBYTES, timeout_s: float = _ADMIN_TIMEOUT_S) -> dict:
         try:
-            with call(_ADMIN_TIMEOUT_S) as ctx:  # emptying namespaces takes a while: not cache traffic
+            with call(timeout_s) as ctx:  # emptying namespaces takes a while: not cache traffic
                 self._ensure_session(ctx)
                 response = self._request(ctx, method, self._root + path, b"", None, probe=False,
-                                         read_timeout_s=_ADMIN_TIMEOUT_S)
+                                         read_timeout_s=timeout_s)
                 if response.status in (200, 201):
                     return unpack_map(read_capped(response, cap, ctx), "admin reply")
                 message = self._error_text(response, ctx)

@@ -47,7 +47,7 @@ import torch
 from kvtier.checks import BLOCK_HASH_NBYTES, check_block_hashes, check_namespace, namespace_hex
 from kvtier.records import HEADER_NBYTES, ReadStatus, encode_header, parse_header
 from kvtier.tiers.backoff import MAX_S, MIN_S
-from kvtier.tiers.daemon_client import SMALL_REPLY_NBYTES, DaemonClient
+from kvtier.tiers.daemon_client import RESET_ONE_TIMEOUT_S, SMALL_REPLY_NBYTES, DaemonClient
 from kvtier.tiers.transport import Call, Failed, Reader, call, discard, read_capped
 from kvtier.types import DTYPE_NAMES, BlockHash, KVSpec
 from kvtier.wire import END, FRAMES, MSGPACK, block_bytes, frame_prefix, pack, spec_to_wire, unpack_map
@@ -177,6 +177,32 @@ class RemoteTier(DaemonClient):
         except Failed as exc:
             self._count(exc.reason)
         return acks + [False] * (len(hashes) - len(acks))
+
+    def clear_namespace(self, namespace: bytes) -> int | None:
+        """Empty ``namespace`` on the daemon, every tier; it stays registered
+        (``TieredStore.reset`` calls it). Returns the blocks it held, or ``None`` when it
+        could not be emptied within 30 s: the daemon cannot be reached, or refused (a reset
+        needs an admin token: ``--token`` or an admin of ``--token-file``). Never raises for
+        those; logged."""
+        check_namespace(namespace)
+        spec = self._specs.get(namespace)
+        try:
+            if spec is not None and namespace not in self._registered:  # a restarted daemon reopens
+                with call(self.timeout_s) as ctx:  # it from DISK on registration: empty that too
+                    self._ensure_session(ctx)
+                    self._register(ctx, namespace, spec)
+            blocks = self._admin("POST", self._admin_path(namespace, None) + "/reset",
+                                 timeout_s=RESET_ONE_TIMEOUT_S).get("blocks")
+        except LookupError:  # the daemon has no such namespace: it holds nothing of it
+            return 0
+        except (Failed, PermissionError, RuntimeError) as exc:
+            self._warn("reset", "could not empty namespace %s on %s: %s", namespace_hex(namespace), self.url,
+                       getattr(exc, "reason", exc))
+            return None
+        if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 0:
+            self._count("protocol")
+            return None
+        return blocks
 
     # -- calls ------------------------------------------------------------------------------------
     def _small_call(self, ctx: Call, namespace: bytes, op: str, obj: dict, cap: int) -> dict:

@@ -93,3 +93,29 @@ def test_reset_cuts_a_get_nobody_reads_and_frees_its_pins(clients):
     outs = [torch.empty(SPEC.block_shape, dtype=SPEC.dtype)]
     assert c["a"].get_into(NS, hs[:1], outs) == [ReadStatus.MISSING]
     sock.close()
+
+
+def test_clear_namespace_empties_the_callers_own_namespace_and_says_how_many_blocks(clients):
+    """What ``TieredStore.reset`` calls on its REMOTE tier (the RemoteBackend's optional
+    ``clear_namespace``): the blocks dropped; ``None``, never an exception, when refused."""
+    _, c = clients
+    c["admin"].register(NS, SPEC)
+    hs = _fill(c["admin"], NS, n=5, seed=5)
+    a_hs = _fill(c["a"], NS, seed=6)
+    assert c["admin"].clear_namespace(NS) == 5
+    assert c["admin"].lookup(NS, hs) == 0 and c["a"].lookup(NS, a_hs) == 4  # its own tenant's only
+    assert c["admin"].clear_namespace(NS) == 0
+    assert _fill(c["admin"], NS, n=2, seed=7) and not c["admin"].errors  # still registered
+    assert c["a"].clear_namespace(NS) is None  # a tenant token: 403, no exception
+    assert c["a"].lookup(NS, a_hs) == 4
+
+
+def test_clear_namespace_of_a_daemon_that_is_down_is_none_at_once():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    remote = RemoteTier(f"http://127.0.0.1:{port}", token=ADMIN, timeout_s=0.5)
+    start = time.monotonic()
+    assert remote.clear_namespace(NS) is None
+    assert time.monotonic() - start < 5.0
+    remote.close()
