@@ -26,36 +26,42 @@ import torch
 BIG = KVSpec(num_layers=4, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.float16)  # 256 KiB blocks
 
 
-def _trickling_put(port: int, token: str, namespace: bytes = NS, spec=SPEC) -> socket.socket:
-    """A put that sends its headers and the first frame's header, then one byte at a time."""
-    body = frames(namespace, hashes(4, salt=9), random_blocks(spec, 4, seed=9))
-    sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall(request_bytes("POST", ns_url(namespace, "put"), b"", {
-        **bearer(token), "Content-Type": FRAMES}).replace(b"Content-Length: 0", f"Content-Length: {len(body)}".encode()))
-    sock.sendall(body[:200])
-    return sock
+class _Trickling:
+    """A put that sends its headers and the first 200 bytes of its frames, then (``trickle``)
+    the rest of its real body one byte at a time: every byte valid, so only a deadline ends it."""
 
+    def __init__(self, port: int, token: str, namespace: bytes = NS, spec=SPEC) -> None:
+        body = frames(namespace, hashes(4, salt=9), random_blocks(spec, 4, seed=9))
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.sendall(request_bytes("POST", ns_url(namespace, "put"), b"", {
+            **bearer(token), "Content-Type": FRAMES}).replace(b"Content-Length: 0",
+                                                             f"Content-Length: {len(body)}".encode()))
+        self.sock.sendall(body[:200])
+        self.rest = body[200:]
 
-def _trickle(sock: socket.socket, seconds: float) -> float | None:
-    """Send a byte every 50 ms for up to ``seconds``; when the daemon closed the connection."""
-    start = time.monotonic()
-    while time.monotonic() - start < seconds:
-        try:
-            sock.send(b"\x00")
-        except OSError:
-            return time.monotonic() - start
-        time.sleep(0.05)
-    return None
+    def trickle(self, seconds: float) -> float | None:
+        """Send a byte every 50 ms for up to ``seconds`` (never the whole body); when the
+        daemon closed the connection."""
+        start = time.monotonic()
+        for i in range(len(self.rest) - 1):
+            if time.monotonic() - start >= seconds:
+                break
+            try:
+                self.sock.send(self.rest[i : i + 1])
+            except OSError:
+                return time.monotonic() - start
+            time.sleep(0.05)
+        return None
 
 
 def test_a_put_that_trickles_its_body_is_cut_and_its_staging_freed(secure_daemon):
     daemon = secure_daemon()  # grace 0.5 s, then 64 KiB/s
     assert register(daemon.port, TOKEN_A) == 201
-    sock = _trickling_put(daemon.port, TOKEN_A)
+    put = _Trickling(daemon.port, TOKEN_A)
     time.sleep(0.3)
     assert daemon.call(lambda: daemon.app[STAGING].used) > 0  # it holds staging while it trickles
-    cut = _trickle(sock, 10.0)
-    sock.close()
+    cut = put.trickle(10.0)
+    put.sock.close()
     assert cut is not None and cut < 5.0, cut
     deadline = time.monotonic() + 2
     while daemon.call(lambda: daemon.app[STAGING].used) and time.monotonic() < deadline:
@@ -66,7 +72,7 @@ def test_a_put_that_trickles_its_body_is_cut_and_its_staging_freed(secure_daemon
 def test_deleting_and_registering_never_wait_for_a_stalled_put(secure_daemon):
     daemon = secure_daemon(grace_s=60.0)  # the stall would last a minute
     assert register(daemon.port, TOKEN_A) == 201
-    sock = _trickling_put(daemon.port, TOKEN_A)
+    sock = _Trickling(daemon.port, TOKEN_A).sock
     time.sleep(0.3)
     start = time.monotonic()
     assert register(daemon.port, TOKEN_A, OTHER_NS) == 201  # another namespace: no wait
@@ -145,8 +151,9 @@ def test_sigterm_exits_within_seconds_with_stalled_clients(spawn):
     daemon = spawn()
     port = int(daemon.url.rsplit(":", 1)[1])
     assert call(port, "PUT", ns_url(NS), pack({"block_shape": list(SPEC.block_shape), "dtype": "float32"}))[0] == 201
-    stalled = _trickling_put(port, "none")
-    stalled.sendall(b"\x00")
+    put = _Trickling(port, "none")
+    stalled = put.sock
+    stalled.sendall(put.rest[:1])  # a valid byte of its body: stalled, not refused
     idle = socket.create_connection(("127.0.0.1", port))
     time.sleep(0.5)
     start = time.monotonic()
@@ -156,4 +163,6 @@ def test_sigterm_exits_within_seconds_with_stalled_clients(spawn):
     finally:
         stalled.close()
         idle.close()
-    assert code == 0 and time.monotonic() - start < 5.0, time.monotonic() - start
+    # shutdown_timeout_s (2 s), then every connection reset and the stores closed: 3 s on a
+    # quiet host, up to 7.6 s seen at load average 14 on 2 cores; before issue 12 it was 60 s
+    assert code == 0 and time.monotonic() - start < 10.0, time.monotonic() - start
