@@ -4,6 +4,7 @@ Commands:
     demo    multi-turn ShareGPT chats with and without kvtier: TTFT, hits per tier, identity.
     serve   the cache daemon: a shared KV cache over HTTP (kvtier.server).
     stats   hit rate, hits per tier, occupancy, bytes moved: tables from a daemon or a data dir.
+    cache   a daemon's namespaces, for its admin: ls, clear (empty), rm (kvtier.app.cache_cli).
 
 Store options (``--gpu-bytes`` ... ``--flush-on-close``) map one to one onto
 :class:`kvtier.config.StoreConfig` fields and their ``KVTIER_*`` environment variables.
@@ -290,9 +291,11 @@ def _x(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
 
 
+from kvtier.app.cache_cli import cache as _cache  # noqa: E402  (kvtier cache)
 from kvtier.app.stats_cli import stats as _stats  # noqa: E402  (kvtier stats)
 
 main.add_command(_stats)
+main.add_command(_cache)
 
 if __name__ == "__main__":
     main()

@@ -119,3 +119,34 @@ def test_clear_namespace_of_a_daemon_that_is_down_is_none_at_once():
     assert remote.clear_namespace(NS) is None
     assert time.monotonic() - start < 5.0
     remote.close()
+
+
+def test_kvtier_cache_lists_empties_and_deletes_namespaces_with_an_admin_token_only(clients):
+    from click.testing import CliRunner
+
+    from kvtier.app.cli import main
+
+    daemon, c = clients
+    a_hs, b_hs = _fill(c["a"], NS), _fill(c["b"], NS, seed=1)
+    run = lambda *args, token=ADMIN: CliRunner().invoke(main, ["cache", *args, "--url", daemon.url],  # noqa: E731
+                                                        env={"KVTIER_TOKEN": token})
+    out = run("ls")
+    assert out.exit_code == 0, out.output
+    rows = [line.split() for line in out.output.splitlines()[1:]]
+    assert sorted((r[0], r[2]) for r in rows) == sorted((t, ns.hex()) for t in ("a", "b") for ns in (NS, OTHER_NS))
+    assert any(r[0] == "a" and r[2] == NS.hex() and "CPU" in r and r[r.index("CPU") + 1] == "4" for r in rows)
+
+    out = run("clear", "--namespace", NS.hex(), "--tenant", "a")
+    assert out.exit_code == 0 and "emptied" in out.output, out.output
+    assert c["a"].lookup(NS, a_hs) == 0 and c["b"].lookup(NS, b_hs) == 4  # only a's
+
+    out = run("rm", "--namespace", NS.hex(), "--tenant", "b", "--yes")
+    assert out.exit_code == 0, out.output
+    assert ("b", NS.hex()) not in {(n["tenant"], n["namespace"]) for n in c["admin"].namespaces()}
+
+    refused = run("clear", "--all", "--yes", token=TOKEN_A)
+    assert refused.exit_code == 1 and "403" in refused.output and "admin token" in refused.output
+    assert run("clear", "--namespace", NS.hex().upper()).exit_code == 2  # one spelling of a namespace
+    assert run("clear").exit_code == 2 and run("rm", "--namespace", "00" * 32, "--tenant", "a", "--yes").exit_code == 1
+    out = run("clear", "--all", "--yes")
+    assert out.exit_code == 0 and "emptied 3 namespaces" in out.output, out.output
