@@ -84,15 +84,29 @@ def test_reset_cuts_a_get_nobody_reads_and_frees_its_pins(clients):
     body = pack({"block_hashes": hs})
     sock.sendall(request_bytes("POST", ns_url(NS, "get"), body, {**bearer(TOKEN_A),
                                                                    "Content-Type": "application/msgpack"}) * 64)
-    time.sleep(0.5)
+    old = daemon.call(lambda: daemon.app[REGISTRY].get("a", NS))
+    assert _within(5.0, lambda: daemon.call(lambda: old.pins.used) > 0)  # a get holds pins, unread
     start = time.monotonic()
     assert c["admin"].reset(NS, tenant="a") == 1
     assert time.monotonic() - start < 5.0
-    entry = daemon.call(lambda: daemon.app[REGISTRY].get("a", NS))
-    assert daemon.call(lambda: entry.store.residency.pinned()) == {} and entry.pins.used == 0
+    assert daemon.call(lambda: old.pins.used) == 0  # the cut get gave its pins back
+    # a get of the pipeline that began after the reset runs on the new, empty store until the
+    # socket goes: then nothing may stay pinned there either
+    sock.close()
+    new = daemon.call(lambda: daemon.app[REGISTRY].get("a", NS))
+    assert new is not old
+    assert _within(5.0, lambda: daemon.call(lambda: (new.store.residency.pinned(), new.pins.used)) == ({}, 0))
     outs = [torch.empty(SPEC.block_shape, dtype=SPEC.dtype)]
     assert c["a"].get_into(NS, hs[:1], outs) == [ReadStatus.MISSING]
-    sock.close()
+
+
+def _within(seconds: float, condition) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def test_clear_namespace_empties_the_callers_own_namespace_and_says_how_many_blocks(clients):
