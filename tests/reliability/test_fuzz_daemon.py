@@ -44,7 +44,7 @@ from kvtier.types import DTYPE_NAMES
 from tests.conftest import random_blocks
 from tests.reliability.conftest import reliability_settings
 from tests.security.conftest import read_response, token_file
-from tests.server.conftest import SPEC, ThreadDaemon, frames, hashes, ns_url, parse_frames, serve_settings
+from tests.unit.server.conftest import SPEC, ThreadDaemon, frames, hashes, ns_url, parse_frames, serve_settings
 
 TOKEN = "fuzz-token-tenant-a-0123456789"  # tenant a: most requests
 TOKEN_B = "fuzz-token-tenant-b-0123456789"
@@ -287,6 +287,7 @@ def _send(client: Client, method: str, path: str, body: bytes, headers: dict):
     return client.request(method, path, body, headers)
 
 
+@pytest.mark.slow  # fuzzes a daemon
 def test_fuzzed_requests_never_get_a_5xx_and_stored_blocks_stay_intact(daemon, client):
     ref = {"Authorization": f"Bearer {REF_TOKEN}"}
     assert client.request("PUT", ns_url(TARGET_NS), pack(spec_to_wire(SPEC)),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.conftest import SPEC, ThreadDaemon, ns_url, serve_settings, spawn  # noqa: F401 (a fixture)
+from tests.unit.server.conftest import SPEC, ThreadDaemon, ns_url, serve_settings, spawn  # noqa: F401 (a fixture)
 from kvtier.wire import FRAMES, MSGPACK, pack, spec_to_wire
 
 ADMIN = "admin-token-0123456789abcdef"

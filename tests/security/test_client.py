@@ -17,7 +17,7 @@ from kvtier.tiers.remote import RemoteTier
 from kvtier.wire import pack
 from tests.conftest import random_blocks
 from tests.security.conftest import NS, FakeDaemon
-from tests.server.conftest import SPEC, hashes
+from tests.unit.server.conftest import SPEC, hashes
 
 TIMEOUT_S = 1.0
 

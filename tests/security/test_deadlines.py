@@ -19,7 +19,7 @@ from kvtier.wire import FRAMES, pack
 from tests.conftest import random_blocks
 from tests.security.conftest import (ADMIN, NS, OTHER_NS, TOKEN_A, bearer, call, closed_within, register,
                                      request_bytes)
-from tests.server.conftest import SPEC, frames, hashes, ns_url
+from tests.unit.server.conftest import SPEC, frames, hashes, ns_url
 
 import torch
 

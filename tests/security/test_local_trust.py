@@ -28,7 +28,7 @@ from kvtier.tiers.remote import RemoteTier
 from kvtier.wire import pack
 from tests.conftest import random_blocks
 from tests.security.conftest import NS, TOKEN_A, TOKEN_B, FakeDaemon, bearer, call, register
-from tests.server.conftest import SPEC, ThreadDaemon, frames, hashes, ns_url, serve_settings
+from tests.unit.server.conftest import SPEC, ThreadDaemon, frames, hashes, ns_url, serve_settings
 
 
 def _modes(root: Path) -> dict[str, int]:

@@ -14,7 +14,7 @@ from kvtier.server.app import REGISTRY
 from kvtier.wire import pack, spec_to_wire
 from tests.conftest import random_blocks
 from tests.security.conftest import ADMIN, NS, TOKEN_A, bearer, call, register
-from tests.server.conftest import SPEC, frames, hashes, ns_url, parse_frames
+from tests.unit.server.conftest import SPEC, frames, hashes, ns_url, parse_frames
 
 
 def payload(block) -> bytes:

@@ -16,7 +16,7 @@ from kvtier.records import ReadStatus
 from kvtier.wire import pack
 from tests.conftest import random_blocks
 from tests.security.conftest import (ADMIN, NS, OTHER_NS, TOKEN_A, TOKEN_B, bearer, call, register, token_file)
-from tests.server.conftest import SPEC, frames, hashes, ns_url, parse_frames
+from tests.unit.server.conftest import SPEC, frames, hashes, ns_url, parse_frames
 
 import torch
 
