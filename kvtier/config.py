@@ -92,6 +92,9 @@ class StoreConfig:
     the URL."""
     remote_timeout_s: float = 2.0
     """Seconds before a REMOTE call gives up; a timed-out read is a miss, never an error."""
+    trace_path: Path | None = None
+    """Opt-in: append every counted lookup, load and store (block hashes only, no token ids)
+    to this JSONL file, for ``kvtier replay`` (kvtier.store.trace). ``None``: no trace."""
 
     def __post_init__(self) -> None:
         for name in ("gpu_bytes", "cpu_bytes", "disk_bytes"):
@@ -105,6 +108,8 @@ class StoreConfig:
         if self.write_policy not in get_args(WritePolicy):
             raise ValueError(f"expected write_policy in {get_args(WritePolicy)}, got {self.write_policy!r}")
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
+        if self.trace_path is not None:
+            object.__setattr__(self, "trace_path", Path(self.trace_path).expanduser())
         if self.remote_url is not None:
             _check_remote_url(self.remote_url)
         timeout = self.remote_timeout_s

@@ -2,9 +2,12 @@
 
 Commands:
     demo    multi-turn ShareGPT chats with and without kvtier: TTFT, hits per tier, identity.
+    clear   empty the DISK tier of a data dir that no running store has open.
     serve   the cache daemon: a shared KV cache over HTTP (kvtier.server).
     stats   hit rate, hits per tier, occupancy, bytes moved: tables from a daemon or a data dir.
     cache   a daemon's namespaces, for its admin: ls, clear (empty), rm (kvtier.app.cache_cli).
+    explain block by block, where a prompt would hit and why the rest would miss.
+    replay  hit rate per tier against capacity (kvtier's SLRU and LRU) from a trace: sizing.
 
 Store options (``--gpu-bytes`` ... ``--flush-on-close``) map one to one onto
 :class:`kvtier.config.StoreConfig` fields and their ``KVTIER_*`` environment variables.
@@ -169,6 +172,31 @@ def serve(**kwargs: Any) -> None:
         raise click.ClickException(str(exc)) from None
 
 
+@main.command()
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None, envvar="KVTIER_DATA_DIR",
+              help="The store's data dir (its DISK tier is <data-dir>/disk). Default: env KVTIER_DATA_DIR, "
+                   "else ~/.cache/kvtier.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def clear(data_dir: Path | None, yes: bool) -> None:
+    """Empty the DISK tier of a data dir: every block record dropped in one transaction and
+    fsynced (kvtier.store.clear_data_dir). Refused while a process has the store open: empty
+    a running store with TieredStore.reset() (vLLM: reset_prefix_cache(reset_connector=True);
+    HFConnector.reset()). Blocks in a REMOTE tier are not touched here (a daemon empties its
+    namespaces through its admin API)."""
+    from kvtier.config import default_data_dir
+
+    path = (data_dir or default_data_dir()).expanduser()
+    if not yes:
+        click.confirm(f"Drop every block in {path / 'disk'}?", abort=True)
+    from kvtier.store import clear_data_dir
+
+    try:
+        dropped = clear_data_dir(path)
+    except (FileNotFoundError, RuntimeError, ImportError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"dropped {dropped} blocks from {path / 'disk'}")
+
+
 def _demo_options(kwargs: dict[str, Any]) -> "Any":
     from kvtier.app.demo import DemoOptions
 
@@ -292,10 +320,14 @@ def _x(value: float | None) -> str:
 
 
 from kvtier.app.cache_cli import cache as _cache  # noqa: E402  (kvtier cache)
+from kvtier.app.explain_cli import explain as _explain  # noqa: E402  (kvtier explain)
+from kvtier.app.replay_cli import replay as _replay  # noqa: E402  (kvtier replay)
 from kvtier.app.stats_cli import stats as _stats  # noqa: E402  (kvtier stats)
 
 main.add_command(_stats)
 main.add_command(_cache)
+main.add_command(_explain)
+main.add_command(_replay)
 
 if __name__ == "__main__":
     main()

@@ -22,6 +22,12 @@ is gathered as soon as its own copy landed.
 ``after_request`` stores every full block of ``prompt + output`` whose K/V the cache holds
 (the last generated token has none: it was sampled, never fed back).
 
+TTFT saved (:mod:`kvtier.connectors.ttft`): the model's first forward after ``before_prefill``
+(the prefill) is timed; at ``after_request`` the connector counts the computed tokens and the
+seconds the cached ones saved (their count times the fitted prefill cost per token, minus
+the time ``before_prefill`` spent loading) into ``store.stats``. ``explain(input_ids)`` says
+block by block where the prompt would hit and why the rest would miss.
+
 Batch size 1 (one request per call). Model families: those of
 :mod:`kvtier.connectors.hf_cache` (full, sliding-window, chunked and MLA attention; others are
 refused by ``from_model`` with :class:`UnsupportedModelError`). The cache ``before_prefill``
@@ -34,6 +40,7 @@ Works with transformers 4.56+ and 5.x.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -41,7 +48,6 @@ import numpy as np
 import torch
 
 from kvtier.config import StoreConfig
-from kvtier.hashing import KeyContext, block_hashes_for
 from kvtier.connectors.hf_cache import (
     UnsupportedModelError,
     cache_kwarg,
@@ -52,7 +58,11 @@ from kvtier.connectors.hf_cache import (
     new_cache,
     scatter_from_layers,
 )
-from kvtier.store import PrefetchHandle, TieredStore
+from kvtier.connectors.ttft import ForwardTimer, PrefillRate
+from kvtier.hashing import KeyContext, block_hashes_for, content_keys
+from kvtier.store import PrefetchHandle, ResetResult, TieredStore
+from kvtier.store.misses import Explanation
+from kvtier.store.results import PromptInfo
 from kvtier.tiers.backend import RemoteBackend
 from kvtier.types import BlockHash, Medium, dtype_name
 
@@ -163,6 +173,13 @@ class HFConnector:
         self.block_size = spec.block_size
         self.store_disabled: str | None = None
         self._cache_kwarg = cache_kwarg(model)
+        store.name = store.name or key_context.model_id
+        self.prefill_rate = PrefillRate()
+        self._timer = ForwardTimer(model)
+        self._pending: tuple[int, int, float] | None = None  # (computed, cached tokens, load s) of the last prefill
+        self.last_prefill: dict[str, float] | None = None
+        """The last counted prefill: ``computed_tokens``, ``cached_tokens``, ``load_s``,
+        ``prefill_s``, ``saved_s``, ``lost_s`` (for logs and tests)."""
 
     @classmethod
     def from_model(
@@ -218,7 +235,18 @@ class HFConnector:
         tokens = _prompt_tokens(input_ids)
         block_hashes = self.block_hashes(tokens)
         max_blocks = (len(tokens) - 1) // self.block_size  # leave >= 1 token to prefill
-        return PrefetchTicket(block_hashes, self.store.prefetch(block_hashes[:max_blocks]))
+        prompt = self._prompt_info(tokens)
+        return PrefetchTicket(block_hashes, self.store.prefetch(block_hashes[:max_blocks], prompt=prompt))
+
+    def explain(self, input_ids: torch.Tensor | Sequence[int]) -> Explanation:
+        """Where each block of the prompt would hit now and why the rest would miss (counts
+        nothing, loads nothing; kvtier.store.misses)."""
+        tokens = _prompt_tokens(input_ids)
+        max_blocks = (len(tokens) - 1) // self.block_size
+        return self.store.explain(self.block_hashes(tokens)[:max_blocks], self._prompt_info(tokens))
+
+    def _prompt_info(self, tokens: list[int]) -> PromptInfo:
+        return PromptInfo(len(tokens), content_keys(tokens, self.block_size), self.namespace)
 
     def before_prefill(
         self, input_ids: torch.Tensor | Sequence[int], ticket: PrefetchTicket | None = None
@@ -236,6 +264,8 @@ class HFConnector:
         Raises:
             ValueError: batch size other than 1, an empty prompt.
         """
+        started = time.perf_counter()
+        self._count_prefill()  # the previous request's, if after_request was not called
         tokens = _prompt_tokens(input_ids)
         block_hashes = self.block_hashes(tokens)
         if ticket is None or ticket.used or ticket.block_hashes != block_hashes:
@@ -245,8 +275,26 @@ class HFConnector:
         ticket.used = True
         with torch.no_grad():
             plan = self._load_into_cache(ticket, block_hashes)
-        self.store.record_computed_tokens(len(tokens) - plan.num_cached_tokens)
+        num_cached = plan.num_cached_tokens
+        self._pending = (len(tokens) - num_cached, num_cached, time.perf_counter() - started)
+        self._timer.arm()  # the model's next forward is this prompt's prefill
         return plan
+
+    def _count_prefill(self) -> None:
+        """Count the last prefill's computed tokens and the TTFT its cached tokens saved."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        computed, cached, load_s = pending
+        seconds = self._timer.seconds()
+        if seconds is None:  # no forward ran (the caller did not prefill): no estimate
+            self.store.record_computed_tokens(computed)
+            return
+        self.prefill_rate.observe(computed, seconds)
+        saved, lost = self.prefill_rate.saving(cached, load_s)
+        self.store.record_computed_tokens(computed, ttft_saved_s=saved, ttft_lost_s=lost)
+        self.last_prefill = {"computed_tokens": computed, "cached_tokens": cached, "load_s": load_s,
+                             "prefill_s": seconds, "saved_s": saved, "lost_s": lost}
 
     def _load_into_cache(self, ticket: PrefetchTicket, block_hashes: list[BlockHash]) -> PrefillPlan:
         handle = ticket.handle
@@ -285,6 +333,7 @@ class HFConnector:
         Raises:
             TypeError: ``cache`` is not a transformers cache.
         """
+        self._count_prefill()
         tokens = _token_list(token_ids)
         keys, values = cache_layers(cache)
         if self.store_disabled is None and (problem := check_cache(cache, self.store.spec)) is not None:
@@ -304,9 +353,19 @@ class HFConnector:
                 scatter_from_layers(spec, keys, values, pool, ids_tensor, first_index * self.block_size)
 
         with torch.no_grad():
-            return self.store.store_with(block_hashes, write)
+            return self.store.store_with(block_hashes, write, prompt=self._prompt_info(tokens[:num_tokens]))
+
+    def reset(self, remote: bool = True) -> ResetResult:
+        """Empty every tier of the store (:meth:`TieredStore.reset`; ``remote``: the REMOTE
+        namespace too, for every process sharing it): the next prompts miss. A ticket from
+        :meth:`prefetch` taken before loads nothing (``before_prefill`` computes the whole
+        prompt). Use it after changing the model's weights in place without a new
+        ``model_revision``."""
+        return self.store.reset(remote)
 
     def close(self) -> None:
+        self._count_prefill()
+        self._timer.close()
         self.store.close()
 
 

@@ -16,6 +16,9 @@ admin token (kvtier.server.tenants)::
     POST   /v1/namespaces/{ns}/put           tenant  frames -> {"stored": [bool, ...]}
     DELETE /v1/namespaces/{ns}               admin   drop the namespace (of the caller's tenant)
     POST   /v1/namespaces/{ns}/reset         admin   empty it, keep it registered
+    POST   /v1/namespaces/{ns}/explain       tenant  where each block would hit, why the rest miss
+    GET    /v1/events?namespace=LABEL        tenant  KV events (SSE) of the caller's namespaces
+                                                     (kvtier.server.observe)
     /v1/admin/...                            admin   every tenant's namespaces (kvtier.server.admin)
     GET    /metrics, /v1/stats               tenant  the caller's namespaces; an admin's: all
     GET    /dashboard[/static/...]           public  the page (it holds no data)
@@ -38,13 +41,14 @@ route in ``app[TENANT_VIEWS][path]``; a route that takes a body lists its media 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 from aiohttp import web
 
 from kvtier.checks import BatchTooLarge, check_block_hashes, namespace_hex, parse_display_name, parse_namespace
 from kvtier.dashboard import setup_observability
-from kvtier.server import admin, frames
+from kvtier.server import admin, frames, observe
 from kvtier.server.auth import CALLER, AuthError, Sessions, add_proof, authenticate, hello, unauthorized
 from kvtier.server.connections import SUPERVISOR, Budget, Supervisor, own_deadline
 from kvtier.server.errors import Handler, error, errors_middleware
@@ -102,7 +106,20 @@ def make_app(settings: ServeConfig) -> web.Application:
     app.router.add_post(NS + "/reset", reset)
     admin.setup(app)
     _setup_observability(app)
+    observe.setup(app, _use_store, app[OPENAPI_PATHS])
     return app
+
+
+@contextlib.asynccontextmanager
+async def _use_store(request: web.Request) -> AsyncIterator:
+    """The store of the caller's tenant's namespace ``{ns}``, in use for the call (400 bad,
+    403 not the tenant's, 404 unknown)."""
+    namespace = _namespace(request)
+    try:
+        async with request.app[REGISTRY].use(_caller(request).tenant.name, namespace) as entry:
+            yield entry.store
+    except UnknownNamespace:
+        raise _unknown(namespace) from None
 
 
 def _setup_observability(app: web.Application) -> None:

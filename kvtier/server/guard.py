@@ -10,8 +10,9 @@ Checked on every request, before authentication (:func:`guard_middleware`):
   refused too (403).
 - **Path**: no percent-encoding (``%``) anywhere in it: a namespace, a tenant or a file has one
   spelling, and ``%30`` x 64 is not it (400, like any other spelling of a name: kvtier.checks).
-- **Content-Type**: each route that takes a body names its one media type (``app[BODY_TYPES]``:
-  ``application/msgpack`` or ``application/x-kvtier-frames``); anything else, a missing type
+- **Content-Type**: each route that takes a body names its media type (``app[BODY_TYPES]``:
+  ``application/msgpack`` or ``application/x-kvtier-frames``; explain also takes
+  ``application/json``); anything else, a missing type
   included, is a 415, and so is a body sent to a route that takes none, or any
   ``Content-Encoding`` (a compressed body would be inflated past the size checks). A browser
   can send ``text/plain`` across origins without asking first: it stores nothing here.
@@ -26,7 +27,8 @@ from aiohttp import web
 from kvtier.server.errors import Handler, error
 
 BODY_TYPES = web.AppKey("body_types", dict)
-"""``{(method, route path template): media type}`` of the routes that take a body."""
+"""``{(method, route path template): media type (or a tuple of them)}`` of the routes that
+take a body."""
 ALLOWED_HOSTS = web.AppKey("allowed_hosts", frozenset)
 """Host names accepted besides IP literals and ``localhost`` (lowercase, no trailing dot)."""
 
@@ -75,8 +77,9 @@ async def guard_middleware(request: web.Request, handler: Handler) -> web.Stream
         raise error(web.HTTPUnsupportedMediaType, "expected no Content-Encoding")
     route = request.match_info.route.resource
     expected = request.app[BODY_TYPES].get((request.method, route.canonical)) if route is not None else None
-    if expected is not None and request.content_type != expected:
-        raise error(web.HTTPUnsupportedMediaType, f"expected Content-Type: {expected}, got "
+    accepted = (expected,) if isinstance(expected, str) else expected
+    if accepted is not None and request.content_type not in accepted:
+        raise error(web.HTTPUnsupportedMediaType, f"expected Content-Type: {' or '.join(sorted(accepted))}, got "
                     f"{request.headers.get('Content-Type', '(none)')[:100]!r}")
     if expected is None and route is not None and request.body_exists:
         raise error(web.HTTPUnsupportedMediaType, f"expected no body for {request.method} {route.canonical}")
