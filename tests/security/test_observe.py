@@ -166,3 +166,27 @@ def test_the_event_stream_outlives_the_call_deadline_and_ends_with_a_reset(secur
     stream = Stream(daemon.port, TOKEN_A, "")
     assert stream.status == 200 and _stored(stream.next_batch()) == set()
     stream.close()
+
+
+def test_event_streams_hold_at_most_a_quarter_of_the_connections(secure_daemon):
+    daemon = secure_daemon(max_connections=8)  # 2 streams
+    for token in (TOKEN_A, TOKEN_B):
+        assert register(daemon.port, token) == 201
+    first, second = Stream(daemon.port, TOKEN_A, ""), Stream(daemon.port, TOKEN_B, "")
+    try:
+        assert first.status == 200 and second.status == 200
+        third = Stream(daemon.port, TOKEN_A, "")  # no deadline on a stream: the cap stops a hoarder
+        assert third.status == 503
+        third.close()
+        # every other call is still served, and the open streams still carry live batches
+        hs = hashes(2, salt=6)
+        _put(daemon.port, TOKEN_A, hs, seed=6)
+        assert _stored(first.next_batch()) == set()  # its snapshot
+        stored: set[str] = set()
+        while stored != {h.hex() for h in hs}:
+            batch = first.next_batch()
+            assert batch is not None, "the daemon cut the stream"
+            stored |= _stored(batch)
+    finally:
+        first.close()
+        second.close()
