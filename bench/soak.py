@@ -1,7 +1,13 @@
 """Soak: a ``kvtier serve`` daemon under N concurrent clients plus engine-like processes for
-M minutes; reports requests served, errors, the daemon's RSS over time and blocks lost.
+M minutes, optionally with hostile clients beside them; reports requests served, errors, the
+daemon's RSS over time, blocks lost and the honest clients' lookup latency.
 
-    python bench/soak.py [--minutes 3] [--clients 8] [--client-procs 2] [--engines 2] [--json PATH]
+    python bench/soak.py [--minutes 3] [--clients 8] [--client-procs 2] [--engines 2]
+                         [--hostile 8 [--baseline]] [--json PATH]
+
+    # issue 12: 10 minutes, 32 clients of which 8 hostile, against a same-invocation run without them
+    flock -x /tmp/kvtier-cpu.lock env OMP_NUM_THREADS=1 python bench/soak.py --minutes 10 \
+        --clients 24 --client-procs 4 --engines 0 --hostile 8 --baseline --json soak.json
 
 Not a CI test (it runs for minutes). What runs:
 
@@ -18,14 +24,25 @@ Not a CI test (it runs for minutes). What runs:
   requests in a loop: ``lookup``, ``load`` (checked byte for byte), ``store`` (new blocks are
   put to the daemon in the background).
 
+- ``--hostile`` hostile clients (threads of one more process, authenticated with the daemon's
+  token like the others, kvtier.server.connections must cut them), in turn: a **slow put**
+  (headers, then its body one byte every 50 ms), a **never-reading get** (asks for blocks
+  that are there, never reads the reply), a **slowloris** (request headers one line every
+  500 ms, never the blank line) and an **idle hoarder** (holds 16 idle connections, reopens
+  each one the daemon closes); each starts over as soon as the daemon cuts it.
+
 Every process draws its requests from one universe of prompts with shared prefixes; a block's
 content is a function of its hash, so any block served is checked, wherever it came from.
 At the end, every block a daemon acknowledged (a ``put`` that returned ``True``) is read back
-through a fresh client: lost = acknowledged but missing or not bit-exact.
+through a fresh client: lost = acknowledged but missing or not bit-exact. The daemon runs with
+a token, so honest clients sign every call (kvtier.auth).
 
-Rows (no same-run baseline applies: a soak measures stability, not speed): minutes, requests
-served and per second, errors and error rate, blocks acknowledged / lost / corrupt served,
-engine hit rate, daemon RSS at start / end / max and its growth, in MiB.
+Rows: minutes, requests served and per second, errors (honest clients and engines) and error
+rate, blocks acknowledged / lost / corrupt served, engine hit rate, the honest clients' lookup
+latency p50 / p99, daemon RSS at start / end / max, its growth after the warm-up (the first
+quarter of the run: pools and DISK pages fill) in MiB and in %, hostile connections cut by
+the daemon. With ``--baseline`` a run without the hostile clients (fresh daemon, same
+settings) goes first and is every row's baseline.
 """
 
 from __future__ import annotations
@@ -42,6 +59,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -55,6 +73,7 @@ from kvtier.types import KVSpec  # noqa: E402
 SPEC = KVSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)  # 32 KiB blocks
 NS = KeyContext(model_id="soak", block_size=SPEC.block_size).namespace()
 MIB = 1 << 20
+TOKEN = "soak-token-0123456789abcdef"
 
 
 def universe(num_prompts: int, seed: int = 0) -> list[list[bytes]]:
@@ -98,7 +117,7 @@ def start_daemon(work_dir: Path, cpu_bytes: int, disk_bytes: int) -> tuple[subpr
     log = open(work_dir / "daemon.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvtier", "serve", "--port", str(port), "--data-dir", str(work_dir / "daemon"),
-         "--cpu-bytes", str(cpu_bytes), "--disk-bytes", str(disk_bytes), "--gpu-bytes", "0"],
+         "--cpu-bytes", str(cpu_bytes), "--disk-bytes", str(disk_bytes), "--gpu-bytes", "0", "--token", TOKEN],
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )
     url = f"http://127.0.0.1:{port}"
@@ -126,22 +145,25 @@ def healthy(url: str) -> bool:
 
 # -- workers ---------------------------------------------------------------------------------------
 def client_proc(url: str, threads: int, deadline: float, seed: int, prompts: int, results) -> None:
-    """Client threads sharing one RemoteTier; sends its counters and acknowledged hashes."""
+    """Client threads sharing one RemoteTier; sends its counters, acknowledged hashes and
+    lookup latencies (seconds)."""
     from kvtier.records import ReadStatus
     from kvtier.tiers.remote import RemoteTier
 
     torch.set_num_threads(1)
-    remote = RemoteTier(url, timeout_s=10.0)
+    remote = RemoteTier(url, token=TOKEN, timeout_s=10.0)
     remote.register(NS, SPEC)
     requests = universe(prompts)
     counts: Counter = Counter()
     acked: set[bytes] = set()
+    latencies: list[float] = []
     lock = threading.Lock()
 
     def loop(k: int) -> None:
         rnd = random.Random(seed * 1000 + k)
         local: Counter = Counter()
         mine: set[bytes] = set()
+        waits: list[float] = []
         while time.time() < deadline:
             request = rnd.choice(requests)
             op = rnd.random()
@@ -153,7 +175,9 @@ def client_proc(url: str, threads: int, deadline: float, seed: int, prompts: int
                 mine.update(h for h, good in zip(request, ok) if good)
             elif op < 0.65:
                 local["lookup"] += 1
+                start = time.perf_counter()
                 remote.lookup(NS, request)
+                waits.append(time.perf_counter() - start)
             else:
                 outs = [torch.empty(SPEC.block_shape, dtype=SPEC.dtype) for _ in request]
                 statuses = remote.get_into(NS, request, outs)
@@ -172,6 +196,7 @@ def client_proc(url: str, threads: int, deadline: float, seed: int, prompts: int
         with lock:
             counts.update(local)
             acked.update(mine)
+            latencies.extend(waits)
 
     workers = [threading.Thread(target=loop, args=(k,)) for k in range(threads)]
     for w in workers:
@@ -180,7 +205,7 @@ def client_proc(url: str, threads: int, deadline: float, seed: int, prompts: int
         w.join()
     counts.update({f"client_error_{k}": v for k, v in remote.errors.items()})
     remote.close()
-    results.put(("client", dict(counts), sorted(acked)))
+    results.put(("client", dict(counts), sorted(acked), latencies))
 
 
 def engine_proc(url: str, deadline: float, seed: int, prompts: int, work_dir: str, results) -> None:
@@ -192,7 +217,7 @@ def engine_proc(url: str, deadline: float, seed: int, prompts: int, work_dir: st
     torch.set_num_threads(1)
     config = StoreConfig(gpu_bytes=16 * SPEC.block_nbytes, cpu_bytes=32 * SPEC.block_nbytes,
                          disk_bytes=128 * record_footprint(SPEC.block_nbytes), block_size=SPEC.block_size,
-                         data_dir=work_dir, remote_url=url, remote_timeout_s=10.0)
+                         data_dir=work_dir, remote_url=url, remote_token=TOKEN, remote_timeout_s=10.0)
     store = TieredStore(SPEC, config, NS, device="cpu", emulate_gpu=True)
     rnd, requests, counts = random.Random(seed), universe(prompts), Counter()
     while time.time() < deadline:
@@ -215,7 +240,7 @@ def engine_proc(url: str, deadline: float, seed: int, prompts: int, work_dir: st
     counts.update({f"remote_error_{k}": v for k, v in store.remote.errors.items()})
     counts.update({f"hits_{m}": v for m, v in store.stats.loaded_blocks.items()})
     store.close()
-    results.put(("engine", dict(counts), []))
+    results.put(("engine", dict(counts), [], []))
 
 
 def verify(url: str, acked: set[bytes]) -> tuple[int, int]:
@@ -223,7 +248,7 @@ def verify(url: str, acked: set[bytes]) -> tuple[int, int]:
     from kvtier.records import ReadStatus
     from kvtier.tiers.remote import RemoteTier
 
-    remote = RemoteTier(url, timeout_s=30.0)
+    remote = RemoteTier(url, token=TOKEN, timeout_s=30.0)
     remote.register(NS, SPEC)
     lost = corrupt = 0
     out = torch.empty(SPEC.block_shape, dtype=SPEC.dtype)
@@ -238,19 +263,11 @@ def verify(url: str, acked: set[bytes]) -> tuple[int, int]:
 
 
 # -- main ------------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> list[Row]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=3.0)
-    parser.add_argument("--clients", type=int, default=8, help="client threads in all")
-    parser.add_argument("--client-procs", type=int, default=2)
-    parser.add_argument("--engines", type=int, default=2)
-    parser.add_argument("--prompts", type=int, default=400, help="prompts in the universe (1-16 blocks of 32 KiB)")
-    parser.add_argument("--daemon-cpu", default=str(64 * MIB))
-    parser.add_argument("--daemon-disk", default=str(2048 * MIB))
-    parser.add_argument("--sample-s", type=float, default=10.0, help="seconds between RSS samples")
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args(argv)
+def run_phase(args, hostile: int) -> dict:
+    """One soak with a fresh daemon: its figures (see :func:`rows`)."""
     import psutil
+
+    from bench.hostile import hostile_proc
 
     work = Path(tempfile.mkdtemp(prefix="kvtier-soak-"))
     daemon, url = start_daemon(work, int(args.daemon_cpu), int(args.daemon_disk))
@@ -269,6 +286,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
         for i in range(args.engines):
             workers.append(ctx.Process(target=engine_proc,
                                        args=(url, deadline, 100 + i, args.prompts, str(work / f"engine{i}"), results)))
+        if hostile:
+            port = int(url.rsplit(":", 1)[1])
+            frames_of = partial(_frames, NS)
+            workers.append(ctx.Process(target=hostile_proc, args=(port, TOKEN, hostile, deadline, "/v1/namespaces/"
+                                                                  + NS.hex(), universe(args.prompts), frames_of,
+                                                                  results)))
         for w in workers:
             w.start()
         unhealthy = 0
@@ -281,12 +304,13 @@ def main(argv: list[str] | None = None) -> list[Row]:
         for w in workers:
             w.join(60)
         minutes = (time.time() - t0) / 60
-        clients = Counter()
-        engines = Counter()
+        counts = {"client": Counter(), "engine": Counter(), "hostile": Counter()}
         acked: set[bytes] = set()
-        for kind, counts, hashes in reports:
-            (clients if kind == "client" else engines).update(counts)
+        latencies: list[float] = []
+        for kind, found, hashes, waits in reports:
+            counts[kind].update(found)
             acked.update(hashes)
+            latencies.extend(waits)
         lost, corrupt = verify(url, acked)
         rss.append((time.time() - t0, proc.memory_info().rss / MIB))
         alive = daemon.poll() is None and healthy(url)
@@ -296,38 +320,88 @@ def main(argv: list[str] | None = None) -> list[Row]:
             daemon.wait(60)
         except subprocess.TimeoutExpired:
             daemon.kill()
+    return {"minutes": minutes, "counts": counts, "acked": len(acked), "lost": lost + corrupt, "rss": rss,
+            "latencies": sorted(latencies), "unhealthy": unhealthy, "alive": alive, "load": os.getloadavg()}
 
-    client_requests = clients["put"] + clients["lookup"] + clients["get"]
-    engine_requests = engines["requests"]
-    errors = sum(v for k, v in clients.items() if k.startswith(("client_error_", "get_")))
-    errors += sum(v for k, v in engines.items() if k.startswith(("load_failure_", "store_failure_", "remote_error_")))
-    served = client_requests + engine_requests
-    rows = [
-        Row("minutes", minutes, "min"),
-        Row("client requests (put + lookup + get)", client_requests, "requests"),
-        Row("engine requests (load + store)", engine_requests, "requests"),
-        Row("requests per second", served / (60 * minutes), "req/s"),
-        Row("errors", errors, "count"),
-        Row("error rate", errors / max(1, served), "errors/request"),
-        Row("blocks acknowledged by the daemon", len(acked), "blocks"),
-        Row("blocks lost (acknowledged, then missing or changed)", lost + corrupt, "blocks"),
-        Row("corrupt blocks served (clients + engines)", clients["corrupt_served"] + engines["corrupt_served"],
-            "blocks"),
-        Row("engine hit rate", engines["hit_blocks"] / max(1, engines["lookup_blocks"]), "fraction"),
-        Row("daemon RSS at start", rss[0][1], "MiB"),
-        Row("daemon RSS at end", rss[-1][1], "MiB"),
-        Row("daemon RSS max", max(r for _, r in rss), "MiB"),
-        Row("daemon RSS growth, last half of the run", rss[-1][1] - rss[len(rss) // 2][1], "MiB"),
-        Row("health checks failed", unhealthy, "count"),
-        Row("daemon alive and healthy at the end", float(alive), "bool"),
-    ]
-    footnote = (f"clients: {dict(sorted(clients.items()))}\nengines: {dict(sorted(engines.items()))}\n"
-                f"RSS samples (s, MiB): {[(round(t), round(r, 1)) for t, r in rss]}")
-    print_table(f"soak: {args.clients} clients in {args.client_procs} processes + {args.engines} engines, "
-                f"{minutes:.1f} min", rows, footnote)
+
+def _frames(namespace: bytes, request: list[bytes]) -> bytes:
+    from kvtier.records import encode_header
+    from kvtier.wire import END, block_bytes, frame_prefix
+
+    return b"".join(frame_prefix(h) + encode_header(namespace, content(h)) + bytes(block_bytes(content(h)))
+                    for h in request) + END
+
+
+def _quantile(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def rows(phase: dict, base: dict | None) -> list[Row]:
+    """The table's rows of ``phase``, with ``base``'s values as baselines."""
+    def figures(ph: dict) -> dict:
+        clients, engines, hostile = ph["counts"]["client"], ph["counts"]["engine"], ph["counts"]["hostile"]
+        served = clients["put"] + clients["lookup"] + clients["get"] + engines["requests"]
+        errors = sum(v for k, v in clients.items() if k.startswith(("client_error_", "get_")))
+        errors += sum(v for k, v in engines.items() if k.startswith(("load_failure_", "store_failure_", "remote_error_")))
+        rss = ph["rss"]
+        warm = next((r for t, r in rss if t >= 15 * ph["minutes"]), rss[-1][1])  # a quarter of the run, in s
+        return {
+            "minutes": ph["minutes"], "requests": served, "rate": served / (60 * ph["minutes"]), "errors": errors,
+            "error rate": errors / max(1, served), "acked": ph["acked"], "lost": ph["lost"],
+            "corrupt": clients["corrupt_served"] + engines["corrupt_served"],
+            "hit rate": engines["hit_blocks"] / max(1, engines["lookup_blocks"]) if engines["requests"] else 0.0,
+            "p50": 1e3 * _quantile(ph["latencies"], 0.50), "p99": 1e3 * _quantile(ph["latencies"], 0.99),
+            "rss start": rss[0][1], "rss end": rss[-1][1], "rss max": max(r for _, r in rss),
+            "rss growth": rss[-1][1] - warm, "rss growth %": 100 * (rss[-1][1] - warm) / warm,
+            "hostile attempts": sum(v for k, v in hostile.items() if k.endswith("attempts")),
+            "hostile cut": sum(v for k, v in hostile.items() if k.endswith(" cut")),
+            "unhealthy": ph["unhealthy"], "alive": float(ph["alive"]), "load": ph["load"][0],
+        }
+
+    now, then = figures(phase), figures(base) if base else None
+    spec = [("minutes", "minutes", "min"), ("requests served (honest clients + engines)", "requests", "requests"),
+            ("requests per second", "rate", "req/s"), ("errors of honest clients and engines", "errors", "count"),
+            ("error rate", "error rate", "errors/request"), ("blocks acknowledged by the daemon", "acked", "blocks"),
+            ("blocks lost (acknowledged, then missing or changed)", "lost", "blocks"),
+            ("corrupt blocks served", "corrupt", "blocks"), ("engine hit rate", "hit rate", "fraction"),
+            ("honest lookup latency p50", "p50", "ms"), ("honest lookup latency p99", "p99", "ms"),
+            ("daemon RSS at start", "rss start", "MiB"), ("daemon RSS at end", "rss end", "MiB"),
+            ("daemon RSS max", "rss max", "MiB"), ("daemon RSS growth after warm-up", "rss growth", "MiB"),
+            ("daemon RSS growth after warm-up, relative", "rss growth %", "%"),
+            ("hostile attempts", "hostile attempts", "count"), ("hostile connections the daemon cut", "hostile cut", "count"),
+            ("health checks failed", "unhealthy", "count"), ("daemon alive and healthy at the end", "alive", "bool"),
+            ("load average (1 min) at the end", "load", "load")]
+    return [Row(metric, now[key], unit, then[key] if then else None, "no hostile clients" if then else "")
+            for metric, key, unit in spec]
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=3.0)
+    parser.add_argument("--clients", type=int, default=8, help="honest client threads in all")
+    parser.add_argument("--client-procs", type=int, default=2)
+    parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--hostile", type=int, default=0, help="hostile client threads (bench/hostile.py)")
+    parser.add_argument("--baseline", action="store_true", help="first a run without the hostile clients")
+    parser.add_argument("--prompts", type=int, default=400, help="prompts in the universe (1-16 blocks of 32 KiB)")
+    parser.add_argument("--daemon-cpu", default=str(64 * MIB))
+    parser.add_argument("--daemon-disk", default=str(2048 * MIB))
+    parser.add_argument("--sample-s", type=float, default=10.0, help="seconds between RSS samples")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    base = run_phase(args, hostile=0) if args.baseline and args.hostile else None
+    phase = run_phase(args, hostile=args.hostile)
+    table = rows(phase, base)
+    footnote = "\n".join(
+        f"{name}: {dict(sorted(ph['counts'][kind].items()))}" for name, ph in (("run", phase), ("baseline", base))
+        if ph for kind in ("client", "engine", "hostile") if ph["counts"][kind]
+    ) + f"\nRSS samples (s, MiB): {[(round(t), round(r, 1)) for t, r in phase['rss']]}"
+    print_table(f"soak: {args.clients} honest clients in {args.client_procs} processes + {args.engines} engines + "
+                f"{args.hostile} hostile, {phase['minutes']:.1f} min", table, footnote)
     if args.json is not None:
-        write_json(args.json, "soak", rows)
-    return rows
+        write_json(args.json, "soak", table)
+    return table
 
 
 if __name__ == "__main__":

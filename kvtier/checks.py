@@ -16,21 +16,36 @@ Rules (every check raises ``ValueError("expected ..., got ...")``):
 - **a batch** of block hashes: a sequence (a msgpack array on the wire), at most
   ``max_blocks`` long when a limit is given; over the limit, :class:`BatchTooLarge` (the
   daemon answers 413).
+- **the daemon's other names** (issue 12), each one ASCII grammar, matched whole, nothing
+  trimmed or case-folded (``str.isdigit`` and ``\\d`` accept unicode digits: never used here):
+  a **tenant** ``[a-z0-9][a-z0-9_-]{0,31}`` (a directory name: never ``.``, ``..``, a hex
+  namespace or a file of the data directory); a **display name** ``[A-Za-z0-9][A-Za-z0-9._:-]{0,63}``
+  (a metrics label); a **token** 1-1024 printable ASCII characters without whitespace (an HTTP
+  header value); fixed-length **lowercase hex** (:func:`parse_hex`); an **unsigned decimal**
+  (:func:`parse_uint`); a **unix URL** ``unix:///absolute/path`` (:func:`parse_unix_url`).
 """
 
 from __future__ import annotations
 
+import posixpath
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvtier.types import BlockHash
+if TYPE_CHECKING:  # kvtier.types imports torch; the CLI's --help (StoreConfig's checks) must not
+    from kvtier.types import BlockHash
 
 NAMESPACE_NBYTES = 32
 BLOCK_HASH_NBYTES = (16, 32)
 """Block hash sizes: xxh3-128 and SHA-256 (kvtier.hashing)."""
 
 _NAMESPACE_HEX = re.compile(r"[0-9a-f]{64}")
+_TENANT = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
+_DISPLAY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+_TOKEN = re.compile(r"[\x21-\x7e]{1,1024}")
+_UINT = re.compile(r"[0-9]{1,19}")
+UNIX_PATH_MAX_NBYTES = 107
+"""Longest path of a Unix socket (``sun_path`` is 108 bytes on Linux, NUL included)."""
 
 
 class BatchTooLarge(ValueError):
@@ -62,9 +77,64 @@ def parse_namespace(text: Any) -> bytes:
     """The 32-byte namespace spelled by ``text``: exactly 64 lowercase hex digits (the
     inverse of :func:`namespace_hex`). Raises ``ValueError`` for anything else."""
     if not isinstance(text, str) or not _NAMESPACE_HEX.fullmatch(text):
-        got = repr(text[:80]) if isinstance(text, str) else type(text).__name__
-        raise ValueError(f"expected the namespace as 64 lowercase hex digits, got {got}")
+        raise ValueError(f"expected the namespace as 64 lowercase hex digits, got {_got(text)}")
     return bytes.fromhex(text)
+
+
+def _got(text: Any) -> str:
+    return repr(text[:80]) if isinstance(text, str) else type(text).__name__
+
+
+def parse_hex(text: Any, nbytes: int, what: str) -> bytes:
+    """``nbytes`` bytes spelled as exactly ``2 * nbytes`` lowercase hex digits."""
+    if not isinstance(text, str) or len(text) != 2 * nbytes or not re.fullmatch(r"[0-9a-f]*", text):
+        raise ValueError(f"expected {what} as {2 * nbytes} lowercase hex digits, got {_got(text)}")
+    return bytes.fromhex(text)
+
+
+def parse_uint(text: Any, what: str, maximum: int = (1 << 63) - 1) -> int:
+    """A decimal ``0 <= n <= maximum``: ASCII digits only (no sign, space, ``_`` or unicode digit)."""
+    if not isinstance(text, str) or not _UINT.fullmatch(text) or int(text) > maximum:
+        raise ValueError(f"expected {what} as a decimal integer in [0, {maximum}], got {_got(text)}")
+    return int(text)
+
+
+def parse_tenant(text: Any) -> str:
+    """A tenant name: ``[a-z0-9][a-z0-9_-]{0,31}`` (it names a directory of the daemon)."""
+    if not isinstance(text, str) or not _TENANT.fullmatch(text):
+        raise ValueError(f"expected a tenant name of 1-32 characters a-z 0-9 _ - (not starting with _ or -), "
+                         f"got {_got(text)}")
+    return text
+
+
+def parse_display_name(text: Any) -> str:
+    """A namespace's display name: ``[A-Za-z0-9][A-Za-z0-9._:-]{0,63}`` (a metrics label)."""
+    if not isinstance(text, str) or not _DISPLAY_NAME.fullmatch(text):
+        raise ValueError(f"expected a display name of 1-64 characters A-Z a-z 0-9 . _ : - (starting with a "
+                         f"letter or digit), got {_got(text)}")
+    return text
+
+
+def check_token(text: Any, min_length: int = 1) -> str:
+    """A bearer token: ``min_length``-1024 printable ASCII characters, no whitespace."""
+    if not isinstance(text, str) or not _TOKEN.fullmatch(text) or len(text) < min_length:
+        shown = f"str of length {len(text)}" if isinstance(text, str) else type(text).__name__
+        raise ValueError(f"expected a token of {min_length}-1024 printable ASCII characters without whitespace, "
+                         f"got {shown}")
+    return text
+
+
+def parse_unix_url(url: Any) -> str:
+    """The socket path of ``unix:///absolute/path`` (normalized: no ``.``/``..``/``//``, no
+    query, at most :data:`UNIX_PATH_MAX_NBYTES` bytes). Raises ``ValueError``."""
+    if isinstance(url, str) and url.startswith("unix://"):
+        path = url[len("unix://"):]
+        if (path.startswith("/") and path == posixpath.normpath(path) and not path.startswith("//")
+                and path != "/" and all(c.isprintable() and c not in "?#" for c in path)
+                and len(path.encode()) <= UNIX_PATH_MAX_NBYTES):
+            return path
+    raise ValueError(f"expected a unix socket URL like unix:///run/kvtier/kvtier.sock (an absolute, normalized "
+                     f"path of at most {UNIX_PATH_MAX_NBYTES} bytes), got {_got(url)}")
 
 
 def check_block_hashes(values: Any, max_blocks: int | None = None) -> list[BlockHash]:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, Mapping, get_args
 
+from kvtier.checks import parse_unix_url
+
 # Kept free of torch and of kvtier.hashing (numpy, msgpack): `kvtier --help` builds its flags
 # from this module. tests/unit/test_config.py checks HashName against kvtier.hashing.HASH_NAMES.
 HashName = Literal["sha256", "xxh3_128"]
@@ -36,6 +38,17 @@ def parse_bytes(value: str | int) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"expected a byte size like 4096, 512MiB or 2GB, got {value!r}")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _check_remote_url(url: Any) -> None:
+    """``unix:///absolute/path`` (kvtier.checks.parse_unix_url), ``http(s)://host[:port]``,
+    ``redis[s]://...`` or ``redis+cluster://...``; raises ``ValueError``."""
+    if isinstance(url, str) and url.startswith("unix:"):
+        parse_unix_url(url)
+        return
+    if not isinstance(url, str) or not re.match(r"^(https?|redis|rediss|redis\+cluster)://[^/\s]+", url):
+        raise ValueError(f"expected remote_url like unix:///run/kvtier/kvtier.sock, http://127.0.0.1:8765 or "
+                         f"redis://127.0.0.1:6379/0, got {url!r}")
 
 
 def default_data_dir() -> Path:
@@ -70,7 +83,8 @@ class StoreConfig:
     """On close, write every block that is only in GPU/CPU memory down to DISK, so that the
     next process finds it (persistence across restarts)."""
     remote_url: str | None = None
-    """Shared REMOTE tier below DISK: ``http://host:port`` (a ``kvtier serve`` daemon),
+    """Shared REMOTE tier below DISK: ``unix:///path/to.sock`` or ``http://host:port`` (a
+    ``kvtier serve`` daemon; the socket is the recommended local way),
     ``redis://host:port/db`` (Redis) or ``redis+cluster://host:port`` (Redis Cluster);
     ``None``: no REMOTE tier. Stored blocks are written to it in the background."""
     remote_token: str | None = None
@@ -96,8 +110,8 @@ class StoreConfig:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
         if self.trace_path is not None:
             object.__setattr__(self, "trace_path", Path(self.trace_path).expanduser())
-        if self.remote_url is not None and not re.match(r"^(https?|redis|rediss|redis\+cluster)://[^/\s]+", str(self.remote_url)):
-            raise ValueError(f"expected remote_url like http://127.0.0.1:8765 or redis://127.0.0.1:6379/0, got {self.remote_url!r}")
+        if self.remote_url is not None:
+            _check_remote_url(self.remote_url)
         timeout = self.remote_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
             raise ValueError(f"expected 0 < remote_timeout_s <= 3600 (seconds), got {timeout!r}")

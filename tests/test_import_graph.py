@@ -23,7 +23,7 @@ LAYERS: dict[str, int] = {
     # 0: the vocabulary: types, keys, configuration, boundary checks; the compute kernels
     "kvtier.types": 0, "kvtier.hashing": 0, "kvtier.config": 0, "kvtier.checks": 0, "kvtier.kernels": 0,
     # 1: the bytes and where they live: block records, wire formats, tiers
-    "kvtier.records": 1, "kvtier.wire": 1, "kvtier.tiers": 1,
+    "kvtier.records": 1, "kvtier.wire": 1, "kvtier.auth": 1, "kvtier.tiers": 1,
     # 2: moving blocks between tiers, the store; the package's facade (kvtier/__init__.py)
     "kvtier.transfer": 2, "kvtier.store": 2, "kvtier": 2,
     # 3: faces of a store in one process: engine connectors, metrics and dashboard, test doubles

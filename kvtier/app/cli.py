@@ -5,6 +5,7 @@ Commands:
     serve   the cache daemon: a shared KV cache over HTTP (kvtier.server).
     serve-model  an OpenAI-compatible chat server on transformers' continuous batching, kvtier underneath.
     stats   hit rate, hits per tier, occupancy, bytes moved: tables from a daemon or a data dir.
+    admin   a daemon's namespaces, for its admin token: ls, clear (empty), rm (kvtier.app.admin_cli).
     explain block by block, where a prompt would hit and why the rest would miss.
     replay  hit rate per tier against capacity (kvtier's SLRU and LRU) from a trace: sizing.
     cache   ``cache ls``: the data dirs, their size on disk, blocks, who uses them; ``cache rm``.
@@ -166,7 +167,18 @@ _SERVE_EXCLUDED = ("remote_url", "remote_token", "remote_timeout_s", "block_size
 @main.command()
 @click.option("--host", default=None, help="Address to bind. Default 127.0.0.1; another address needs a token.")
 @click.option("--port", type=click.IntRange(0, 65535), default=None, help="TCP port (0: any free one). Default 8765.")
-@click.option("--token", default=None, help="Bearer token callers must send (default: env KVTIER_TOKEN; none: no auth).")
+@click.option("--unix-socket", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Listen on this Unix socket (0600, in a directory of yours no one else may write): the "
+                   "recommended local way. Without --port/--host, no TCP listener.")
+@click.option("--token", default=None, help="The one token callers must send (admin; default: env KVTIER_TOKEN; "
+                                            "none: no auth).")
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="TOML or JSON file of tenants, their tokens and namespaces, and admin tokens (chmod 600).")
+@click.option("--allow-host", multiple=True, help="Host name callers may use besides IP addresses and localhost "
+                                                  "(repeatable; DNS rebinding protection).")
+@click.option("--max-connections", type=click.IntRange(1), default=None, help="Connections at once. Default 1024.")
+@click.option("--idle-timeout-s", type=click.FloatRange(0, 3600, min_open=True), default=None,
+              help="Close a connection with no request for this long (s). Default 15.")
 @click.option("--max-namespaces", type=click.IntRange(1), default=None, help="Models held at once. Default 8.")
 @click.option("--max-block-bytes", default=None, help="Largest block, e.g. 64MiB (larger: 413). Default 64MiB.")
 @click.option("--max-batch-blocks", type=click.IntRange(1), default=None, help="Blocks per call (more: 413). Default 1024.")
@@ -183,6 +195,7 @@ def serve(**kwargs: Any) -> None:
     try:
         settings = ServeConfig.from_options(_config(kwargs), kwargs)
         settings.check_bind()
+        settings.tenants()  # a bad token file: a usage error now, not a traceback later
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     _check_data_dir(settings.store.data_dir, "serve", settings.store.disk_bytes)
@@ -318,12 +331,14 @@ def _demo_options(kwargs: dict[str, Any]) -> "Any":
     return DemoOptions(**values)
 
 
+from kvtier.app.admin_cli import admin as _admin  # noqa: E402  (kvtier admin)
 from kvtier.app.cache_cli import DataDirUnusable, cache, clear  # noqa: E402  (kvtier cache, kvtier clear)
 from kvtier.app.explain_cli import explain as _explain  # noqa: E402  (kvtier explain)
 from kvtier.app.replay_cli import replay as _replay  # noqa: E402  (kvtier replay)
 from kvtier.app.stats_cli import stats as _stats  # noqa: E402  (kvtier stats)
 
 main.add_command(_stats)
+main.add_command(_admin)
 main.add_command(_explain)
 main.add_command(_replay)
 main.add_command(cache)

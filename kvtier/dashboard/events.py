@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, AsyncContextManager, Callable, Mapping
 
 from aiohttp import web
 
@@ -41,20 +41,27 @@ KEEPALIVE_S = 15.0
 
 StoresFor = Callable[[web.Request], Mapping[str, "TieredStore"]]
 """``stores_for(request) -> {name: store}``: the stores this caller may see, by name."""
+Around = Callable[[web.Request, str], AsyncContextManager[Any]]
+"""``around(request, name)``: held while the stream of store ``name`` runs (the daemon: the
+namespace in use, so that deleting or resetting it ends the stream; the call has no deadline)."""
 
 _STOP = object()
 """Put in a stream's queue when the app shuts down: the stream ends."""
 
 
 def setup_events(app: web.Application, stores_for: StoresFor, path: str = "/v1/events",
-                 keepalive_s: float = KEEPALIVE_S) -> None:
+                 keepalive_s: float = KEEPALIVE_S, around: Around | None = None) -> None:
     """Add ``GET path``: the SSE stream of the module docstring. Open streams end when the
-    app shuts down (``on_shutdown``), so a stopping server never waits for its clients."""
+    app shuts down (``on_shutdown``), so a stopping server never waits for its clients, and,
+    with ``around``, when it ends the stream (a cancelled task)."""
     streams: set[asyncio.Queue] = set()
 
     async def handler(request: web.Request) -> web.StreamResponse:
         name, store = pick_store(stores_for(request), request.query.get("namespace"))
-        return await stream_events(request, name, store, keepalive_s, streams)
+        if around is None:
+            return await stream_events(request, name, store, keepalive_s, streams)
+        async with around(request, name):
+            return await stream_events(request, name, store, keepalive_s, streams)
 
     async def end_streams(app: web.Application) -> None:
         for queue in list(streams):

@@ -1,87 +1,122 @@
 """The daemon's HTTP API (aiohttp): app factory, typed app keys, middlewares, handlers.
 
-Routes (bodies: ``application/msgpack`` maps; block streams: kvtier.wire frames)::
+Routes (bodies: ``application/msgpack`` maps; block streams: kvtier.wire frames). Access:
+``public`` needs no token, ``tenant`` acts on the caller's own namespaces, ``admin`` needs an
+admin token (kvtier.server.tenants)::
 
-    GET    /healthz                          liveness, no auth
-    GET    /openapi.json                     OpenAPI 3 description, no auth
-    PUT    /v1/namespaces/{ns}               register {"block_shape", "dtype"} (idempotent; 409 on
-                                             another spec; 507 over --max-namespaces)
-    GET    /v1/namespaces/{ns}               spec, limits and per-tier usage
-    DELETE /v1/namespaces/{ns}               drop the namespace and all its blocks
-    POST   /v1/namespaces/{ns}/lookup        {"block_hashes"} -> {"num_blocks", "media"}
-    POST   /v1/namespaces/{ns}/get           {"block_hashes"} -> frames of the leading present blocks
-    POST   /v1/namespaces/{ns}/put           frames -> {"stored": [bool, ...]}
+    GET    /healthz                          public  liveness
+    GET    /openapi.json                     public  OpenAPI 3 description
+    POST   /v1/auth/hello                    public  open a signed session (kvtier.auth)
+    PUT    /v1/namespaces/{ns}               tenant  register {"block_shape", "dtype"[, "name"]}
+                                                     (idempotent; 409 another spec; 403 a namespace
+                                                     the token file does not give the tenant; 507)
+    GET    /v1/namespaces/{ns}               tenant  spec, limits and per-tier usage
+    POST   /v1/namespaces/{ns}/lookup        tenant  {"block_hashes"} -> {"num_blocks", "media"}
+    POST   /v1/namespaces/{ns}/get           tenant  {"block_hashes"} -> frames of the leading present blocks
+    POST   /v1/namespaces/{ns}/put           tenant  frames -> {"stored": [bool, ...]}
+    DELETE /v1/namespaces/{ns}               admin   drop the namespace (of the caller's tenant)
+    POST   /v1/namespaces/{ns}/reset         admin   empty it, keep it registered
+    POST   /v1/namespaces/{ns}/explain       tenant  where each block would hit, why the rest miss
+    GET    /v1/events?namespace=LABEL        tenant  KV events (SSE) of the caller's namespaces
+                                                     (kvtier.server.observe)
+    /v1/admin/...                            admin   every tenant's namespaces (kvtier.server.admin)
+    GET    /metrics, /v1/stats               tenant  the caller's namespaces; an admin's: all
+    GET    /dashboard[/static/...]           public  the page (it holds no data)
 
-``{ns}`` is the 32-byte namespace in hex. Errors are JSON ``{"error": message}`` with a 4xx
-status (400 bad input, 401 auth, 404 unknown namespace, 409, 413 over a limit, 507).
+``{ns}`` is the 32-byte namespace as 64 lowercase hex digits; every store is keyed by the
+caller's tenant and the namespace, so two tenants never share a block. Errors are JSON
+``{"error": message}`` (400, 401, 403, 404, 408, 409, 413, 415, 421, 503, 507).
 
-Extending (kvtier.metrics): ``app = make_app(settings)``, then ``app.router.add_get(...)``;
-handlers find the namespaces under ``request.app[REGISTRY]`` (``for ns in registry``:
-``ns.store``) and paths that need no token go into ``app[PUBLIC_PATHS]``.
+Middlewares, outermost first: errors (JSON), the connection supervisor (deadlines,
+kvtier.server.connections), the guard (Host, Origin, Content-Type: kvtier.server.guard),
+then auth and access (kvtier.server.auth).
+
+Extending (kvtier.dashboard, explain, KV events): ``app = make_app(settings)``, then
+``app.router.add_get(path, handler)`` and say who may call it: ``app[ACCESS][("GET", path)] =
+"public" | "tenant" | "admin"`` (unlisted: admin), for a tenant route scope the answer to
+``request[CALLER].tenant`` (``registry.of(tenant)``) or register a tenant's view of an admin
+route in ``app[TENANT_VIEWS][path]``; a route that takes a body lists its media type in
+``app[BODY_TYPES][(method, path)]``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac
 from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from kvtier.checks import BatchTooLarge, check_block_hashes, namespace_hex, parse_namespace
+from kvtier.checks import BatchTooLarge, check_block_hashes, namespace_hex, parse_display_name, parse_namespace
 from kvtier.dashboard import setup_observability
-from kvtier.server import frames, observe
+from kvtier.server import admin, frames, observe
+from kvtier.server.auth import CALLER, AuthError, Sessions, add_proof, authenticate, hello, unauthorized
+from kvtier.server.connections import SUPERVISOR, Budget, Supervisor, own_deadline
 from kvtier.server.errors import Handler, error, errors_middleware
+from kvtier.server.guard import ALLOWED_HOSTS, BODY_TYPES, guard_middleware
+from kvtier.server.keys import (ACCESS, OPENAPI_PATHS, PUBLIC_PATHS, REGISTRY, SESSIONS, SETTINGS, STAGING,
+                                TENANT_VIEWS)
 from kvtier.server.openapi import openapi
 from kvtier.server.registry import Namespace, Registry, RegistryError, UnknownNamespace
 from kvtier.server.settings import ServeConfig
-from kvtier.wire import MSGPACK, pack, spec_from_wire, spec_to_wire, unpack_map
+from kvtier.server.tenants import Caller
+from kvtier.server.views import VIEWS, TenantViews, tenant_metrics, tenant_stats
+from kvtier.wire import FRAMES, MSGPACK, pack, spec_from_wire, spec_to_wire, unpack_map
 
-SETTINGS = web.AppKey("settings", ServeConfig)
-REGISTRY = web.AppKey("registry", Registry)
-PUBLIC_PATHS = web.AppKey("public_paths", set)
-"""Paths served without a token (``/healthz``, ``/openapi.json``; add ``/metrics`` etc.)."""
-OPENAPI_PATHS = web.AppKey("openapi_paths", dict)
-"""OpenAPI path items of routes added to the app later (``{"/metrics": {"get": {...}}}``);
-a route with none gets a minimal entry, so ``/openapi.json`` always lists every route."""
+__all__ = ["ACCESS", "OPENAPI_PATHS", "PUBLIC_PATHS", "REGISTRY", "SESSIONS", "SETTINGS", "STAGING",
+           "TENANT_VIEWS", "make_app", "msgpack_response"]
+
+NS = "/v1/namespaces/{ns}"
 
 
 def make_app(settings: ServeConfig) -> web.Application:
     """The daemon's application. Its namespaces open when the app starts (cleanup context)
-    and close, flushing to DISK, when it stops."""
+    and close, flushing to DISK, when it stops. Raises ``ValueError`` for a bad token file."""
+    tenants = settings.tenants()
     # Bodies read whole (register, lookup, get requests) are small: hashes only. Puts stream.
     client_max_size = 64 * settings.max_batch_blocks + (64 << 10)
-    app = web.Application(client_max_size=client_max_size, middlewares=[errors_middleware, _auth])
+    supervisor = Supervisor(settings.idle_timeout_s, settings.request_timeout_s, settings.max_connections)
+    app = web.Application(client_max_size=client_max_size, middlewares=[
+        errors_middleware, supervisor.middleware, guard_middleware, _access])
     app[SETTINGS] = settings
-    app[REGISTRY] = Registry(settings)
-    app[PUBLIC_PATHS] = {"/healthz", "/openapi.json"}
+    app[SUPERVISOR] = supervisor
+    app[REGISTRY] = Registry(settings, tenants)
+    app[SESSIONS] = Sessions(tenants)
+    app[STAGING] = Budget(settings.max_staging_bytes)
+    app[ALLOWED_HOSTS] = frozenset(h.lower().rstrip(".") for h in settings.allow_hosts)
+    app[PUBLIC_PATHS] = set()
     app[OPENAPI_PATHS] = {}
+    app[TENANT_VIEWS] = {}
+    app[BODY_TYPES] = {("PUT", NS): MSGPACK, ("POST", NS + "/lookup"): MSGPACK, ("POST", NS + "/get"): MSGPACK,
+                       ("POST", NS + "/put"): FRAMES}
+    app[ACCESS] = {("GET", "/healthz"): "public", ("GET", "/openapi.json"): "public",
+                   ("POST", "/v1/auth/hello"): "public", ("PUT", NS): "tenant", ("GET", NS): "tenant",
+                   ("POST", NS + "/lookup"): "tenant", ("POST", NS + "/get"): "tenant",
+                   ("POST", NS + "/put"): "tenant"}
     app.cleanup_ctx.append(_registry_ctx)
+    app.on_response_prepare.append(add_proof)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/openapi.json", openapi_json)
-    ns = "/v1/namespaces/{ns}"
-    app.router.add_put(ns, register)
-    app.router.add_get(ns, info)
-    app.router.add_delete(ns, delete)
-    app.router.add_post(ns + "/lookup", lookup)
-    app.router.add_post(ns + "/get", get)
-    app.router.add_post(ns + "/put", put)
+    app.router.add_post("/v1/auth/hello", auth_hello)
+    app.router.add_put(NS, register)
+    app.router.add_get(NS, info)
+    app.router.add_delete(NS, delete)
+    app.router.add_post(NS + "/lookup", lookup)
+    app.router.add_post(NS + "/get", get)
+    app.router.add_post(NS + "/put", put)
+    app.router.add_post(NS + "/reset", reset)
+    admin.setup(app)
     _setup_observability(app)
-    observe.setup(app, _use_store, lambda request: _stores(app), app[OPENAPI_PATHS])
+    observe.setup(app, _use_store, app[OPENAPI_PATHS])
     return app
-
-
-def _stores(app: web.Application) -> dict:
-    """The namespaces' stores by namespace hex (what ``/v1/events`` serves)."""
-    return {entry.namespace.hex(): entry.store for entry in app[REGISTRY] if not entry.closing}
 
 
 @contextlib.asynccontextmanager
 async def _use_store(request: web.Request) -> AsyncIterator:
-    """The store of the request's ``{ns}``, in use for the call (400 bad, 404 unknown)."""
+    """The store of the caller's tenant's namespace ``{ns}``, in use for the call (400 bad,
+    403 not the tenant's, 404 unknown)."""
     namespace = _namespace(request)
     try:
-        async with request.app[REGISTRY].use(namespace) as entry:
+        async with request.app[REGISTRY].use(_caller(request).tenant.name, namespace) as entry:
             yield entry.store
     except UnknownNamespace:
         raise _unknown(namespace) from None
@@ -89,10 +124,18 @@ async def _use_store(request: web.Request) -> AsyncIterator:
 
 def _setup_observability(app: web.Application) -> None:
     """``/metrics``, ``/v1/stats`` and ``/dashboard`` (kvtier.dashboard) over the namespaces'
-    stores, by namespace hex. The page and its static files are public (they hold no data);
-    ``/metrics`` and ``/v1/stats`` need the token when the daemon has one (a Prometheus scrape
-    config sends it as ``authorization``; the page takes it from ``/dashboard#token=...``)."""
-    setup_observability(app, lambda: _stores(app), public_paths=app[PUBLIC_PATHS], openapi_paths=app[OPENAPI_PATHS])
+    stores, by label (never a namespace id). The page and its static files are public;
+    a tenant's ``/metrics`` and ``/v1/stats`` show its own namespaces (kvtier.server.views)."""
+    registry = app[REGISTRY]
+    setup_observability(
+        app, lambda: {entry.label: entry.store for entry in registry},
+        public_paths=app[PUBLIC_PATHS], openapi_paths=app[OPENAPI_PATHS],
+    )
+    app[VIEWS] = views = TenantViews(registry, interval_s=1.0, max_samples=300)
+    app.cleanup_ctx.append(views.sampler)
+    app[ACCESS].update({("GET", "/metrics"): "tenant", ("GET", "/v1/stats"): "tenant",
+                        ("GET", "/dashboard"): "public", ("GET", "/dashboard/static/{name}"): "public"})
+    app[TENANT_VIEWS].update({"/metrics": tenant_metrics, "/v1/stats": tenant_stats})
 
 
 async def _registry_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -104,17 +147,27 @@ async def _registry_ctx(app: web.Application) -> AsyncIterator[None]:
         await registry.close()
 
 
-# -- middlewares -------------------------------------------------------------------------------
+# -- access ------------------------------------------------------------------------------------
 @web.middleware
-async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """``Authorization: Bearer <token>``, compared in constant time (before any body is read)."""
-    token = request.app[SETTINGS].token
-    if token is not None and request.path not in request.app[PUBLIC_PATHS]:
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-            exc = error(web.HTTPUnauthorized, "expected Authorization: Bearer <token>")
-            exc.headers["WWW-Authenticate"] = 'Bearer realm="kvtier"'
-            raise exc
+async def _access(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Authenticate (before any body is read), then apply the route's access."""
+    resource = request.match_info.route.resource
+    path = resource.canonical if resource is not None else None
+    access = request.app[ACCESS].get((request.method, path), "admin")
+    if access == "public" or request.path in request.app[PUBLIC_PATHS]:
+        return await handler(request)
+    try:
+        caller = authenticate(request, request.app[REGISTRY].tenants, request.app[SESSIONS])
+    except AuthError as exc:
+        raise unauthorized(exc) from None
+    request[CALLER] = caller
+    if caller.admin:
+        return await handler(request)
+    view = request.app[TENANT_VIEWS].get(path)
+    if view is not None:
+        return await view(request)
+    if access != "tenant" and path is not None:  # no route: the router's 404 or 405
+        raise error(web.HTTPForbidden, f"{request.method} {path or request.path[:100]} needs an admin token")
     return await handler(request)
 
 
@@ -124,10 +177,19 @@ def msgpack_response(obj: object, status: int = 200) -> web.Response:
 
 
 def _namespace(request: web.Request) -> bytes:
+    """The path's namespace, if the caller's tenant may use it (400, 403)."""
     try:
-        return parse_namespace(request.match_info["ns"])
+        namespace = parse_namespace(request.match_info["ns"])
     except ValueError as exc:
         raise error(web.HTTPBadRequest, str(exc)) from None
+    if not _caller(request).tenant.allows(namespace):
+        raise error(web.HTTPForbidden, f"tenant {_caller(request).tenant.name} may not use namespace "
+                                       f"{namespace_hex(namespace)} (token file)")
+    return namespace
+
+
+def _caller(request: web.Request) -> Caller:
+    return request[CALLER]
 
 
 def _unknown(namespace: bytes) -> web.HTTPException:
@@ -153,9 +215,9 @@ async def _hashes(request: web.Request, what: str) -> list:
         raise error(web.HTTPBadRequest, str(exc)) from None
 
 
-def _describe(entry: Namespace, settings: ServeConfig) -> dict:
+def describe(entry: Namespace, settings: ServeConfig) -> dict:
     return {
-        "namespace": namespace_hex(entry.namespace), **spec_to_wire(entry.spec),
+        "namespace": namespace_hex(entry.namespace), "label": entry.label, **spec_to_wire(entry.spec),
         "max_batch_blocks": settings.max_batch_blocks, "max_block_bytes": settings.max_block_bytes,
         "durable": settings.durable,
     }
@@ -163,7 +225,11 @@ def _describe(entry: Namespace, settings: ServeConfig) -> dict:
 
 # -- handlers ----------------------------------------------------------------------------------
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok", "namespaces": len(request.app[REGISTRY].namespaces)})
+    return web.json_response({"status": "ok"})
+
+
+async def auth_hello(request: web.Request) -> web.Response:
+    return await hello(request, request.app[SESSIONS])
 
 
 async def openapi_json(request: web.Request) -> web.Response:
@@ -173,15 +239,17 @@ async def openapi_json(request: web.Request) -> web.Response:
 
 async def register(request: web.Request) -> web.Response:
     namespace = _namespace(request)
+    body = await _body_map(request, "register")
     try:
-        spec = spec_from_wire(await _body_map(request, "register"))
+        spec = spec_from_wire(body)
+        name = None if body.get("name") is None else parse_display_name(body["name"])
     except ValueError as exc:
         raise error(web.HTTPBadRequest, str(exc)) from None
     try:
-        entry, created = await request.app[REGISTRY].register(namespace, spec)
+        entry, created = await request.app[REGISTRY].register(_caller(request).tenant, namespace, spec, name)
     except RegistryError as exc:
         raise error(_STATUS[exc.status], str(exc)) from None
-    return msgpack_response({**_describe(entry, request.app[SETTINGS]), "created": created}, 201 if created else 200)
+    return msgpack_response({**describe(entry, request.app[SETTINGS]), "created": created}, 201 if created else 200)
 
 
 _STATUS = {400: web.HTTPBadRequest, 409: web.HTTPConflict, 413: web.HTTPRequestEntityTooLarge,
@@ -192,18 +260,28 @@ async def info(request: web.Request) -> web.Response:
     namespace = _namespace(request)
     registry = request.app[REGISTRY]
     try:
-        async with registry.use(namespace) as entry:
-            usage = await registry.run(entry.store.usage)
-            return msgpack_response({**_describe(entry, request.app[SETTINGS]), "usage": usage})
+        async with registry.use(_caller(request).tenant.name, namespace) as entry:
+            usage = await registry.run_on(entry, entry.store.usage)
+            return msgpack_response({**describe(entry, request.app[SETTINGS]), "usage": usage})
     except UnknownNamespace:
         raise _unknown(namespace) from None
 
 
 async def delete(request: web.Request) -> web.Response:
+    own_deadline(request)  # closes a store: may take long
     namespace = _namespace(request)
-    if not await request.app[REGISTRY].delete(namespace):
+    if not await request.app[REGISTRY].delete(_caller(request).tenant.name, namespace):
         raise _unknown(namespace)
     return msgpack_response({"deleted": True})
+
+
+async def reset(request: web.Request) -> web.Response:
+    own_deadline(request)  # closes a store: may take long
+    namespace = _namespace(request)
+    held = await request.app[REGISTRY].reset(_caller(request).tenant.name, namespace)
+    if held is None:
+        raise _unknown(namespace)
+    return msgpack_response({"reset": True, "blocks": held})
 
 
 async def lookup(request: web.Request) -> web.Response:
@@ -212,12 +290,12 @@ async def lookup(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY]
     hashes = await _hashes(request, "lookup")
     try:
-        async with registry.use(namespace) as entry:
+        async with registry.use(_caller(request).tenant.name, namespace) as entry:
             # inline when the store's lock is free (microseconds: no thread hop on the hot
             # path), else on the registry's threads
             result = entry.store.lookup(hashes, blocking=False)
             if result is None:
-                result = await registry.run(entry.store.lookup, hashes)
+                result = await registry.run_on(entry, entry.store.lookup, hashes)
     except UnknownNamespace:
         raise _unknown(namespace) from None
     return msgpack_response({"num_blocks": result.num_hit_blocks, "media": [str(m) for m in result.media]})
@@ -229,7 +307,7 @@ async def get(request: web.Request) -> web.StreamResponse:
     registry = request.app[REGISTRY]
     hashes = await _hashes(request, "get")
     try:
-        async with registry.use(namespace) as entry:
+        async with registry.use(_caller(request).tenant.name, namespace) as entry:
             return await frames.send_blocks(request, registry, entry, hashes)
     except UnknownNamespace:
         raise _unknown(namespace) from None
@@ -240,8 +318,8 @@ async def put(request: web.Request) -> web.Response:
     namespace = _namespace(request)
     registry = request.app[REGISTRY]
     try:
-        async with registry.use(namespace) as entry:
-            stored = await frames.receive_blocks(request, registry, entry, request.app[SETTINGS])
+        async with registry.use(_caller(request).tenant.name, namespace) as entry:
+            stored = await frames.receive_blocks(request, registry, entry, request.app[STAGING])
     except UnknownNamespace:
         raise _unknown(namespace) from None
     return msgpack_response({"stored": stored})

@@ -6,7 +6,8 @@ chunk at a time on the registry's threads; each block's header is computed there
 slot (one hashing pass, no copy) and the slot's own memory is written to the socket. The
 lease is released only once the socket has taken every byte of the chunk (a transport may
 keep a reference to the memory it was given until it is sent), while the next chunk is
-already being loaded.
+already being loaded. Pins come from the namespace's budget and writes run on a clock
+(kvtier.server.connections): a client that does not read is cut off and its pins freed.
 
 put: each frame is checked before its payload is read (hash size, a consistent header, the
 namespace, the registered shape and dtype, ``--max-block-bytes``: a block over the limit is
@@ -15,6 +16,8 @@ copied into a staging buffer and hashed piece by piece as it arrives, and a bloc
 checksum fails is not stored (``stored[i] = False``). A full staging buffer is stored with
 one store call on a thread while the next buffer fills. A put is acknowledged (``True``)
 only once the block is in the store; with ``--durable`` only once it is committed to DISK.
+Staging comes from the daemon's budget, reads run on a clock: a body that trickles is cut
+off and its buffers freed.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -30,9 +33,10 @@ from aiohttp import web
 
 from kvtier.checks import BLOCK_HASH_NBYTES
 from kvtier.records import HEADER_NBYTES, encode_header, parse_header
-from kvtier.server.errors import error
+from kvtier.server.connections import BodyClock, Budget, Expired, own_deadline, reset
+from kvtier.server.errors import LOG, error
 from kvtier.types import DTYPE_NAMES, BlockHash
-from kvtier.wire import END, FRAMES, block_bytes, frame_prefix, max_frames_nbytes
+from kvtier.wire import END, FRAMES, block_bytes, frame_nbytes, frame_prefix, max_frames_nbytes
 
 if TYPE_CHECKING:
     from kvtier.server.registry import Namespace, Registry
@@ -43,47 +47,111 @@ logger = logging.getLogger(__name__)
 
 _LOAD_CHUNK_BYTES = 32 << 20
 """Blocks loaded and pinned per step of a get (two steps are in flight at once)."""
+_PIN_WAIT_S = 0.2
+"""Longest a get waits for pins when gets in flight hold the namespace's budget (then it
+sends the blocks it could pin: a shorter hit)."""
 
 
 # -- get ---------------------------------------------------------------------------------------
 async def send_blocks(
     request: web.Request, registry: "Registry", entry: "Namespace", block_hashes: Sequence[BlockHash]
 ) -> web.StreamResponse:
-    """Stream the leading present blocks of ``block_hashes``, then the end byte."""
-    top = entry.store.top
-    chunk = max(1, min(top.num_blocks // 4, _LOAD_CHUNK_BYTES // entry.spec.block_nbytes))
-    parts = [block_hashes[i : i + chunk] for i in range(0, len(block_hashes), chunk)]
+    """Stream the leading present blocks of ``block_hashes``, then the end byte. Pins come
+    from the namespace's budget (a get that finds none free ends its stream early: a shorter
+    hit); writes are bounded by a :class:`BodyClock` (a client that does not read is cut off
+    and its pins released)."""
+    settings = registry.settings
+    own_deadline(request)
+    pins: Budget = entry.pins
+    chunk = max(1, min(pins.capacity // 4, _LOAD_CHUNK_BYTES // entry.spec.block_nbytes))
+    clock = BodyClock(settings.grace_s, settings.min_rate_bytes_per_s)
     response = web.StreamResponse(headers={"Content-Type": FRAMES})
-    next_load = asyncio.ensure_future(registry.run(_load, entry, parts[0])) if parts else None
+    loads = _Loads(registry, entry, pins)
     try:
-        await response.prepare(request)
-        for k, part in enumerate(parts):
-            loaded, blocks = await next_load
-            next_load = None
+        await loads.next(block_hashes[:chunk])
+        await clock.write(response.prepare(request), 0)
+        offset = 0
+        while loads.ahead is not None:
+            part, (loaded, blocks) = await loads.take()
+            offset += len(part)
             try:
-                if len(blocks) == len(part) and k + 1 < len(parts):
-                    next_load = asyncio.ensure_future(registry.run(_load, entry, parts[k + 1]))
+                if len(blocks) == len(part) and offset < len(block_hashes):
+                    await loads.next(block_hashes[offset : offset + chunk])
                 for h, (header, payload) in zip(part, blocks):
-                    await response.write(frame_prefix(h) + header)
-                    await response.write(payload)
-                await _sent(request.transport)
+                    await clock.write(response.write(frame_prefix(h) + header), len(header))
+                    await clock.write(response.write(payload), len(payload))
+                await clock.write(_sent(request.transport), 0)
             finally:
-                loaded.lease.release()
+                loads.release(loaded)
             if len(blocks) < len(part):
                 break
-        await response.write(END)
-        await response.write_eof()
+        await clock.write(response.write(END), 1)
+        await clock.write(response.write_eof(), 0)
     except ConnectionResetError:
         logger.debug("get: client went away mid-stream")
+    except Expired as exc:
+        logger.debug("get: %s", exc)
+        reset(request.transport)
     finally:
-        if next_load is not None:  # a chunk loaded ahead that will not be sent
-            try:
-                (await next_load)[0].lease.release()
-            except Exception:  # the load failed: nothing is pinned
-                logger.debug("get: a load ahead failed", exc_info=True)
+        await loads.close()
     if not response.prepared:
         raise error(web.HTTPServiceUnavailable, "get: the response could not start")
     return response
+
+
+class _Loads:
+    """The chunk loaded ahead of the one being sent, with its pins taken from the budget."""
+
+    def __init__(self, registry: "Registry", entry: "Namespace", pins: Budget) -> None:
+        self.registry, self.entry, self.pins = registry, entry, pins
+        self.ahead: tuple[Sequence[BlockHash], int, asyncio.Future] | None = None
+
+    async def next(self, part: Sequence[BlockHash]) -> None:
+        """Start loading ``part`` (or as much of its head as the pin budget allows now)."""
+        n = await self.pins.take(len(part), _PIN_WAIT_S) if part else 0
+        if n:
+            part = part[:n]
+            self.ahead = (part, n, asyncio.ensure_future(self.registry.run_on(self.entry, _load, self.entry, part)))
+
+    async def take(self):
+        part, n, future = self.ahead
+        self.ahead = None
+        try:
+            loaded, blocks = await asyncio.shield(future)
+        except asyncio.CancelledError:  # the load goes on: release what it pins once it is done
+            future.add_done_callback(self._dropper(n))
+            raise
+        except BaseException:
+            self.pins.give(n)
+            raise
+        return part, (_Pinned(loaded, n), blocks)
+
+    def release(self, pinned: "_Pinned") -> None:
+        pinned.result.lease.release()
+        self.pins.give(pinned.n)
+
+    async def close(self) -> None:
+        """Release a chunk loaded ahead that will not be sent (once its load is done)."""
+        if self.ahead is not None:
+            _, n, future = self.ahead
+            self.ahead = None
+            future.add_done_callback(self._dropper(n))
+
+    def _dropper(self, n: int):
+        def drop(future: asyncio.Future) -> None:
+            try:
+                future.result()[0].lease.release()
+            except BaseException:  # the load failed or was cancelled: nothing is pinned
+                logger.debug("get: a load ahead failed", exc_info=True)
+            finally:
+                self.pins.give(n)
+
+        return drop
+
+
+class _Pinned(NamedTuple):
+    result: "LoadResult"
+    n: int
 
 
 def _load(entry: "Namespace", block_hashes: Sequence[BlockHash]) -> tuple["LoadResult", list]:
@@ -106,80 +174,118 @@ def _load(entry: "Namespace", block_hashes: Sequence[BlockHash]) -> tuple["LoadR
 
 
 async def _sent(transport: asyncio.Transport | None) -> None:
-    """Wait until the transport has handed every byte to the kernel (or is closed)."""
+    """Wait until the transport has handed every byte to the kernel (or is closed): polls,
+    0.5 ms at first, then less often (a client that reads slowly costs no CPU)."""
+    pause = 0.0005
     while transport is not None and not transport.is_closing() and transport.get_write_buffer_size():
-        await asyncio.sleep(0.0005)
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, 0.05)
 
 
 # -- put ---------------------------------------------------------------------------------------
-async def receive_blocks(request: web.Request, registry: "Registry", entry: "Namespace", settings: "ServeConfig") -> list[bool]:
-    """Read, verify and store the frames of a put body; one bool per frame."""
+async def receive_blocks(request: web.Request, registry: "Registry", entry: "Namespace", staging: Budget) -> list[bool]:
+    """Read, verify and store the frames of a put body; one bool per frame. Reads are
+    bounded by a :class:`BodyClock`, staging memory by ``staging`` (a put that finds none
+    free within ``grace_s`` is a 503)."""
+    settings = registry.settings
+    own_deadline(request)
     limit = max_frames_nbytes(settings.max_batch_blocks, settings.max_block_bytes)
     if request.content_length is not None and request.content_length > limit:
         raise error(web.HTTPRequestEntityTooLarge, f"expected a put body of at most {limit} bytes "
                     f"(--max-batch-blocks x --max-block-bytes), got Content-Length {request.content_length}")
-    content = request.content
+    reader = _FrameReader(request.content, BodyClock(settings.grace_s, settings.min_rate_bytes_per_s))
     stored: list[bool] = []
-    batch = _Batch(registry, entry, stored, settings.durable)
-    dtype, shape = DTYPE_NAMES[entry.spec.dtype], tuple(entry.spec.block_shape)
+    batch: _Batch | None = None
     try:
-        while True:
-            i = len(stored)
-            hash_len = (await _exactly(content, 1, i))[0]
-            if hash_len == 0:
-                break
-            if hash_len not in BLOCK_HASH_NBYTES:
-                raise error(web.HTTPBadRequest, f"frame {i}: expected a hash length of 16 or 32 bytes, got {hash_len}")
-            if i >= settings.max_batch_blocks:
-                raise error(web.HTTPRequestEntityTooLarge, f"expected at most {settings.max_batch_blocks} frames per put "
-                            "(--max-batch-blocks), got more")
-            block_hash = BlockHash(await _exactly(content, hash_len, i))
-            header = await _exactly(content, HEADER_NBYTES, i)
-            record = parse_header(header)
-            if record is None:
-                raise error(web.HTTPBadRequest, f"frame {i}: expected a kvtier record header, got inconsistent bytes")
-            if record.payload_nbytes > settings.max_block_bytes:
-                raise error(web.HTTPRequestEntityTooLarge, f"frame {i}: expected a block of at most "
-                            f"{settings.max_block_bytes} bytes (--max-block-bytes), got {record.payload_nbytes}")
-            if record.namespace != entry.namespace:
-                raise error(web.HTTPBadRequest, f"frame {i}: expected the record's namespace to be the URL's, "
-                            f"got {record.namespace.hex()}")
-            if record.dtype != dtype or record.shape != shape:
-                raise error(web.HTTPBadRequest, f"frame {i}: expected a {dtype} block of shape {list(shape)}, "
-                            f"got {record.dtype} {list(record.shape)}")
+        while (record := await _next_frame(reader, entry, settings, len(stored))) is not None:
+            block_hash, header, record = record
+            if batch is None:  # staging is taken once a first frame proves the body is a put
+                batch = await _Batch.start(registry, entry, stored, staging, _expected_frames(request, entry))
             if block_hash in batch.hashes:  # a repeat within one store call would end its chain
                 await batch.flush()
             digest = record.digest(header)
-            await _payload(content, batch.slot(), digest, i)
+            await _payload(reader, batch.slot(), digest, len(stored))
             stored.append(False)
             if digest.intdigest() == record.checksum:
-                batch.add(block_hash, i)
+                batch.add(block_hash, len(stored) - 1)
             else:
                 entry.rejected_blocks += 1
-                logger.warning("put: frame %d of namespace %s failed its checksum; not stored", i, entry.namespace.hex())
+                LOG.log(logger, logging.WARNING, "put checksum", "put: frame %d of %s failed its checksum; not "
+                        "stored", len(stored) - 1, entry.label)
             if batch.full:
                 await batch.flush()
-        if await content.read(1):
+        if await reader.read(1):
             raise error(web.HTTPBadRequest, f"expected the body to end after the end byte (after {len(stored)} frames)")
-        await batch.flush()
-        await batch.drain()
+        if batch is not None:
+            await batch.flush()
+            await batch.drain()
+    except Expired as exc:
+        reset(request.transport)
+        raise error(web.HTTPRequestTimeout, f"put body: {exc}") from None
     finally:
-        await batch.release()
+        if batch is not None:
+            await batch.release()
     return stored
 
 
-async def _exactly(content, n: int, frame: int) -> bytes:
-    try:
-        return await content.readexactly(n)
-    except asyncio.IncompleteReadError:
-        raise error(web.HTTPBadRequest, f"frame {frame}: the body ends inside a frame or without the end byte") from None
+class _FrameReader:
+    """``request.content`` read through a :class:`BodyClock`."""
+
+    def __init__(self, content, clock: BodyClock) -> None:
+        self.content, self.clock = content, clock
+
+    async def exactly(self, n: int, frame: int) -> bytes:
+        try:
+            return await self.clock.read(self.content.readexactly(n))
+        except asyncio.IncompleteReadError:
+            raise error(web.HTTPBadRequest, f"frame {frame}: the body ends inside a frame or without the end "
+                                            "byte") from None
+
+    async def read(self, n: int) -> bytes:
+        return await self.clock.read(self.content.read(n))
 
 
-async def _payload(content, dst: np.ndarray, digest, frame: int) -> None:
+async def _next_frame(reader: _FrameReader, entry: "Namespace", settings: "ServeConfig", i: int):
+    """``(block_hash, header bytes, record header)`` of the next frame, checked before its
+    payload is read; ``None`` at the end byte. Raises a 400 or 413 HTTP error."""
+    hash_len = (await reader.exactly(1, i))[0]
+    if hash_len == 0:
+        return None
+    if hash_len not in BLOCK_HASH_NBYTES:
+        raise error(web.HTTPBadRequest, f"frame {i}: expected a hash length of 16 or 32 bytes, got {hash_len}")
+    if i >= settings.max_batch_blocks:
+        raise error(web.HTTPRequestEntityTooLarge, f"expected at most {settings.max_batch_blocks} frames per put "
+                    "(--max-batch-blocks), got more")
+    block_hash = BlockHash(await reader.exactly(hash_len, i))
+    header = await reader.exactly(HEADER_NBYTES, i)
+    record = parse_header(header)
+    if record is None:
+        raise error(web.HTTPBadRequest, f"frame {i}: expected a kvtier record header, got inconsistent bytes")
+    if record.payload_nbytes > settings.max_block_bytes:
+        raise error(web.HTTPRequestEntityTooLarge, f"frame {i}: expected a block of at most "
+                    f"{settings.max_block_bytes} bytes (--max-block-bytes), got {record.payload_nbytes}")
+    if record.namespace != entry.namespace:
+        raise error(web.HTTPBadRequest, f"frame {i}: expected the record's namespace to be the URL's, "
+                    f"got {record.namespace.hex()}")
+    dtype, shape = DTYPE_NAMES[entry.spec.dtype], tuple(entry.spec.block_shape)
+    if record.dtype != dtype or record.shape != shape:
+        raise error(web.HTTPBadRequest, f"frame {i}: expected a {dtype} block of shape {list(shape)}, "
+                    f"got {record.dtype} {list(record.shape)}")
+    return block_hash, header, record
+
+
+def _expected_frames(request: web.Request, entry: "Namespace") -> int | None:
+    """Frames a body of ``Content-Length`` bytes holds at most (``None``: chunked)."""
+    if request.content_length is None:
+        return None
+    return max(1, request.content_length // frame_nbytes(b"\0" * 16, entry.spec.block_nbytes))
+
+
+async def _payload(reader: _FrameReader, dst: np.ndarray, digest, frame: int) -> None:
     """Copy the next ``dst.nbytes`` body bytes into ``dst`` and hash them, piece by piece."""
     offset, nbytes = 0, dst.nbytes
     while offset < nbytes:
-        piece = await content.read(min(nbytes - offset, 1 << 20))
+        piece = await reader.read(min(nbytes - offset, 1 << 20))
         if not piece:
             raise error(web.HTTPBadRequest, f"frame {frame}: the body ends inside a block")
         dst[offset : offset + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
@@ -188,16 +294,32 @@ async def _payload(content, dst: np.ndarray, digest, frame: int) -> None:
 
 
 class _Batch:
-    """Two staging buffers: verified blocks fill one while the other is being stored."""
+    """Two staging buffers: verified blocks fill one while the other is being stored. Each
+    holds ``min(staging_blocks, frames the body can hold)`` blocks; their bytes are taken
+    from the daemon's staging budget and given back once no store call uses them."""
 
-    def __init__(self, registry: "Registry", entry: "Namespace", stored: list[bool], durable: bool) -> None:
-        self.registry, self.entry, self.stored, self.durable = registry, entry, stored, durable
-        self.buffers = [entry.take_staging(), entry.take_staging()]
+    def __init__(self, registry: "Registry", entry: "Namespace", stored: list[bool], buffers: list[torch.Tensor],
+                 staging: Budget, nbytes: int) -> None:
+        self.registry, self.entry, self.stored, self.durable = registry, entry, stored, registry.settings.durable
+        self.buffers, self.staging, self.nbytes = buffers, staging, nbytes
         self.current = 0
         self.hashes: list[BlockHash] = []
         self.indices: list[int] = []
         self.task: asyncio.Future | None = None
         self.task_indices: list[int] = []
+
+    @classmethod
+    async def start(cls, registry: "Registry", entry: "Namespace", stored: list[bool], staging: Budget,
+                    expected_frames: int | None) -> "_Batch":
+        """Raises a 503 when the staging budget has no room within ``grace_s``."""
+        n = entry.staging_blocks if expected_frames is None else min(entry.staging_blocks, expected_frames)
+        nbytes = 2 * n * entry.spec.block_nbytes
+        if not await staging.take(nbytes, registry.settings.grace_s, least=nbytes):
+            exc = error(web.HTTPServiceUnavailable, f"put: every staging byte is in use (--max-staging-bytes "
+                        f"{staging.capacity}); try again")
+            exc.headers["Retry-After"] = "1"
+            raise exc
+        return cls(registry, entry, stored, [entry.take_staging(n), entry.take_staging(n)], staging, nbytes)
 
     @property
     def full(self) -> bool:
@@ -217,7 +339,8 @@ class _Batch:
             return
         await self.drain()
         blocks = self.buffers[self.current][: len(self.hashes)]
-        self.task = asyncio.ensure_future(self.registry.run(_store, self.entry.store, self.hashes, blocks, self.durable))
+        self.task = asyncio.ensure_future(
+            self.registry.run_on(self.entry, _store, self.entry.store, self.hashes, blocks, self.durable))
         self.task_indices = self.indices
         self.hashes, self.indices = [], []
         self.current ^= 1
@@ -231,13 +354,23 @@ class _Batch:
             self.stored[index] = ok
 
     async def release(self) -> None:
-        """Wait for a store still in flight (on an error path), then return the buffers."""
-        if self.task is not None:
-            await asyncio.wait([self.task])
-            self.task = None
+        """Return the buffers and their budget once no store call uses them: wait for a store
+        still in flight (an error path), or, when the call is being cancelled (a deadline, a
+        deletion), return them from that store's completion without waiting."""
+        task, self.task = self.task, None
+        if task is not None and not task.done():
+            try:
+                await asyncio.wait([task])
+            except asyncio.CancelledError:
+                task.add_done_callback(lambda _: self._give())
+                raise
+        self._give()
+
+    def _give(self) -> None:
         for buffer in self.buffers:
             self.entry.give_staging(buffer)
         self.buffers = []
+        self.staging.give(self.nbytes)
 
 
 def _store(store: "TieredStore", block_hashes: list[BlockHash], blocks: torch.Tensor, durable: bool) -> list[bool]:

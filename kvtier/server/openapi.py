@@ -90,19 +90,33 @@ def _core(settings: "ServeConfig") -> dict:
     }}
     common = {
         "400": _error("malformed body, namespace or hash"),
-        "401": _error("missing or wrong bearer token"),
+        "401": _error("missing or wrong token or signature"),
+        "403": _error("a namespace the token file does not give the tenant, or a cross-origin call"),
         "404": _error("unknown namespace"),
+        "415": _error("a body of another media type than the route takes"),
     }
+    admin = {"401": _error("missing or wrong token"), "403": _error("not an admin token")}
     too_large = {"413": _error(f"over --max-batch-blocks ({max_blocks}) or --max-block-bytes "
                                f"({settings.max_block_bytes}), or a body over the size limit")}
-    ns_param = {"name": "ns", "in": "path", "required": True, "description": "32-byte namespace, hex",
-                "schema": {"type": "string", "pattern": "^[0-9a-fA-F]{64}$"}}
+    ns_param = {"name": "ns", "in": "path", "required": True,
+                "description": "32-byte namespace as 64 lowercase hex digits (no other spelling)",
+                "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"}}
+    tenant_param = {"name": "tenant", "in": "path", "required": True, "description": "a tenant of the token file",
+                    "schema": {"type": "string", "pattern": "^[a-z0-9][a-z0-9_-]{0,31}$"}}
+    reply = lambda key: _msgpack({"type": "object", "properties": {key: {"type": "boolean"}}})  # noqa: E731
+    emptied = _msgpack({"type": "object", "properties": {"reset": {"type": "boolean"}, "blocks": {
+        "type": "integer", "minimum": 0, "description": "distinct blocks it held when the reset began"}}})
     return {
         "openapi": "3.0.3",
         "info": {"title": "kvtier cache daemon", "version": __version__,
                  "description": "Shared KV-cache blocks by namespace and block hash (kvtier serve)."},
-        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
-        "security": [{"bearer": []}] if settings.token is not None else [],
+        "components": {"securitySchemes": {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "session": {"type": "apiKey", "in": "header", "name": "Authorization", "description": (
+                "KVTier-Session id=.., n=.., sig=.. after POST /v1/auth/hello: the token never travels "
+                "(kvtier.auth); every reply carries KVTier-Proof")},
+        }},
+        "security": [{"bearer": []}, {"session": []}] if settings.token or settings.token_file else [],
         "paths": {
             "/healthz": {"get": {
                 "summary": "Liveness", "security": [],
@@ -114,6 +128,13 @@ def _core(settings: "ServeConfig") -> dict:
                 "summary": "This description", "security": [],
                 "responses": {"200": {"description": "OpenAPI 3 document",
                                       "content": {"application/json": {"schema": {"type": "object"}}}}},
+            }},
+            "/v1/auth/hello": {"post": {
+                "summary": "Open a signed session (Authorization: KVTier-Hello key=.., nonce=.., ts=.., sig=..)",
+                "security": [],
+                "responses": {"200": _msgpack({"type": "object", "properties": {
+                    "session": {"type": "string"}, "nonce": {"type": "string"}, "ttl_s": {"type": "number"}}}),
+                    "401": _error("unknown key or wrong signature")},
             }},
             "/v1/namespaces/{ns}": {
                 "parameters": [ns_param],
@@ -129,10 +150,26 @@ def _core(settings: "ServeConfig") -> dict:
                 },
                 "get": {"summary": "Spec, limits and per-tier usage",
                         "responses": {"200": _msgpack(described), **common}},
-                "delete": {"summary": "Drop the namespace and all its blocks",
-                           "responses": {"200": _msgpack({"type": "object", "properties": {
-                               "deleted": {"type": "boolean"}}}), **common}},
+                "delete": {"summary": "Drop the namespace and all its blocks (admin token)",
+                           "responses": {"200": reply("deleted"), **common}},
             },
+            "/v1/namespaces/{ns}/reset": {"parameters": [ns_param], "post": {
+                "summary": "Empty the namespace, every tier; it stays registered (admin token)",
+                "responses": {"200": emptied, **common}}},
+            "/v1/admin/namespaces": {"get": {
+                "summary": "Every tenant's namespaces: tenant, namespace, label, spec, usage (admin token)",
+                "responses": {"200": _msgpack({"type": "object"}), **admin}}},
+            "/v1/admin/reset": {"post": {
+                "summary": "Empty every namespace of every tenant (admin token)",
+                "responses": {"200": _msgpack({"type": "object", "properties": {"reset": {"type": "integer"},
+                                                                                 "blocks": {"type": "integer"}}}),
+                              **admin}}},
+            "/v1/admin/tenants/{tenant}/namespaces/{ns}": {"parameters": [tenant_param, ns_param], "delete": {
+                "summary": "Drop a tenant's namespace and all its blocks (admin token)",
+                "responses": {"200": reply("deleted"), **admin, "404": _error("no such namespace")}}},
+            "/v1/admin/tenants/{tenant}/namespaces/{ns}/reset": {"parameters": [tenant_param, ns_param], "post": {
+                "summary": "Empty a tenant's namespace (admin token)",
+                "responses": {"200": emptied, **admin, "404": _error("no such namespace")}}},
             "/v1/namespaces/{ns}/lookup": {"parameters": [ns_param], "post": {
                 "summary": "Leading blocks present and where",
                 "requestBody": {"required": True, "content": {MSGPACK: {"schema": hashes}}},

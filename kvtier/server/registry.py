@@ -1,50 +1,53 @@
-"""The daemon's namespaces: one :class:`~kvtier.store.TieredStore` per registered namespace
-(each model has its own block shape and dtype), each in its own directory::
+"""The daemon's namespaces: one :class:`~kvtier.store.TieredStore` per (tenant, namespace)
+(each model has its own block shape and dtype; each tenant its own blocks), each in its own
+directory (kvtier.server.layout). On start the registry reopens every namespace directory it
+made, so blocks on DISK hit again after a restart. Store calls block (locks, LMDB I/O): they
+run on the registry's thread pool (:meth:`Registry.run`).
 
-    <data_dir>/serve.lock                 one daemon per data directory (flock)
-    <data_dir>/<namespace hex>/spec.msgpack   {"block_shape", "dtype"}, written before the store
-    <data_dir>/<namespace hex>/disk/          the namespace's DISK tier (LMDB)
-
-On start the registry reopens every namespace directory with a spec file, so blocks on DISK
-hit again after a restart. Store calls block (locks, LMDB I/O): the registry runs them on
-its own thread pool; handlers ``await registry.run(fn, ...)``.
-
-A namespace in use is never closed under a call: :meth:`Registry.use` counts calls in
-flight, and :meth:`Registry.delete` waits for them before closing the store.
+Calls on a namespace enter :meth:`Registry.use`, which counts them and remembers their tasks
+and threads. Deleting or resetting a namespace (:meth:`Registry.delete`, :meth:`Registry.reset`)
+takes the registry-wide lock only to change the tables, never while waiting: it cancels the
+namespace's calls in flight (a stalled put or a get nobody reads is cut, releasing its pins
+and staging buffers), waits for their store threads, then closes the store. A registration of
+the same namespace meanwhile waits for that one namespace, no other.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
+import hashlib
+import hmac
 import logging
 import os
-import shutil
 from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
 import torch
 
-from kvtier.checks import check_namespace, namespace_hex, parse_namespace
+from kvtier.checks import check_namespace
+from kvtier.server import layout
+from kvtier.server.connections import Budget
 from kvtier.server.settings import ServeConfig
+from kvtier.server.tenants import DEFAULT_TENANT, Tenant, Tenants
 from kvtier.store import TieredStore
 from kvtier.types import KVSpec
-from kvtier.wire import describe, pack_spec, unpack_spec
+from kvtier.wire import describe
 
 logger = logging.getLogger(__name__)
 
-SPEC_FILE = "spec.msgpack"
+Key = tuple[str, bytes]
+"""(tenant name, namespace)."""
 _STAGING_BYTES = 8 << 20
 """Per-buffer size of the put path's staging (blocks are verified there, then stored in one
 store call per buffer while the next buffer fills)."""
 
 
 class UnknownNamespace(LookupError):
-    """No namespace of that name is registered (HTTP 404)."""
+    """No namespace of that name is registered for the tenant (HTTP 404)."""
 
 
 class RegistryError(Exception):
@@ -55,218 +58,307 @@ class RegistryError(Exception):
         self.status = status
 
 
-@dataclass
+@dataclass(eq=False)
 class Namespace:
-    """One registered namespace and its store."""
+    """One registered namespace of one tenant, and its store."""
 
+    tenant: str
     namespace: bytes
     spec: KVSpec
     store: TieredStore
     path: Path
-    in_flight: int = 0
+    name: str | None = None
+    """Display name given at registration (the token file's, if any, comes first)."""
+    label: str = ""
+    """Its name in metrics and stats: ``tenant/display name`` or ``tenant/ns-<opaque id>``."""
     rejected_blocks: int = 0
     """Put frames whose checksum failed (corrupted on the way); never stored."""
     closing: bool = False
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    calls: set = field(default_factory=set)
+    """Tasks of the calls in flight (cancelled when the namespace is deleted or reset)."""
+    threads: set = field(default_factory=set)
+    """Store calls running on the registry's threads for this namespace."""
     staging_blocks: int = 1
     """Blocks per staging buffer of the put path (~8 MiB, at most a batch)."""
+    pins: Budget | None = None
+    """Blocks of the top pool that gets in flight may pin together (``max_pinned_fraction``)."""
     _staging: list[torch.Tensor] = field(default_factory=list)
 
-    def take_staging(self) -> torch.Tensor:
-        """A host buffer ``[staging_blocks, *spec.block_shape]`` (reused across puts)."""
-        if self._staging:
+    @property
+    def in_flight(self) -> int:
+        return len(self.calls)
+
+    def take_staging(self, num_blocks: int | None = None) -> torch.Tensor:
+        """A host buffer ``[n, *spec.block_shape]``, ``n = min(num_blocks, staging_blocks)``
+        (full-size buffers are reused across puts)."""
+        n = self.staging_blocks if num_blocks is None else max(1, min(num_blocks, self.staging_blocks))
+        if n == self.staging_blocks and self._staging:
             return self._staging.pop()
-        return torch.empty((self.staging_blocks, *self.spec.block_shape), dtype=self.spec.dtype)
+        return torch.empty((n, *self.spec.block_shape), dtype=self.spec.dtype)
 
     def give_staging(self, buffer: torch.Tensor) -> None:
-        if len(self._staging) < 4:
+        if buffer.shape[0] == self.staging_blocks and len(self._staging) < 4:
             self._staging.append(buffer)
 
 
 class Registry:
-    """Namespaces of one daemon. Create it with the settings; :meth:`open` (at start-up,
-    in the app's cleanup context) locks the data directory, starts the thread pool and
-    reopens the namespaces found there; :meth:`close` closes every store (flushing memory
-    tiers to DISK when ``flush_on_close``).
+    """Namespaces of one daemon. :meth:`open` (at start-up, in the app's cleanup context)
+    prepares and locks the data directory, starts the thread pool and reopens the namespaces
+    found there; :meth:`close` closes every store (flushing memory tiers to DISK when
+    ``flush_on_close``)."""
 
-    ``on_open`` callbacks run (in the event loop) for every namespace opened, with its
-    :class:`Namespace`; ``on_close`` before its store is closed (metrics use them)."""
-
-    def __init__(self, settings: ServeConfig) -> None:
+    def __init__(self, settings: ServeConfig, tenants: Tenants | None = None) -> None:
         self.settings = settings
+        self.tenants = tenants or settings.tenants()
         self.data_dir = Path(settings.store.data_dir)
-        self.namespaces: dict[bytes, Namespace] = {}
+        self.namespaces: dict[Key, Namespace] = {}
         self.on_open: list[Callable[[Namespace], None]] = []
         self.on_close: list[Callable[[Namespace], None]] = []
         self.cuda = torch.cuda.is_available()
         self._executor: ThreadPoolExecutor | None = None
-        self._lock_file = None
+        self._lock_fd: int | None = None
+        self._secret = b""
         self._changes = asyncio.Lock()
+        self._busy: dict[Key, asyncio.Future] = {}  # registrations, deletions, resets under way
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def open(self) -> None:
-        """Raises ``RuntimeError`` if another daemon holds the data directory."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        self._lock_file = _lock(self.data_dir / "serve.lock")
+        """Raises ``RuntimeError`` if another daemon holds the data directory or it belongs
+        to another user."""
+        self.data_dir = layout.prepare_data_dir(self.data_dir)
+        self._lock_fd = layout.lock(self.data_dir)
+        self._secret = layout.secret(self.data_dir)
         self._executor = ThreadPoolExecutor(self.settings.num_threads, thread_name_prefix="kvtier-serve")
-        for path in sorted(self.data_dir.iterdir()):
-            spec = _read_spec(path)
-            if spec is None:
+        if DEFAULT_TENANT in self.tenants.tenants:
+            if moved := layout.migrate_legacy(self.data_dir, DEFAULT_TENANT):
+                logger.info("moved %d namespace directories to %s/%s", moved, layout.TENANTS_DIR, DEFAULT_TENANT)
+        for tenant, namespace, path, spec, name in layout.find_namespaces(self.data_dir):
+            owner = self.tenants.tenants.get(tenant)
+            if owner is None or not owner.allows(namespace):
+                logger.warning("not reopening %s: tenant %s may not use it (token file)", path, tenant)
                 continue
-            namespace = parse_namespace(path.name)
-            if len(self.namespaces) >= self.settings.max_namespaces:
-                logger.warning("not reopening namespace %s: --max-namespaces %d reached", path.name,
-                               self.settings.max_namespaces)
+            if self._count() >= self.settings.max_namespaces:
+                logger.warning("not reopening %s: --max-namespaces %d reached", path, self.settings.max_namespaces)
                 continue
             try:
-                self._add(Namespace(namespace, spec, await self.run(self._open_store, namespace, spec, path), path))
+                store = await self.run(self._open_store, namespace, spec, path)
             except (ValueError, RuntimeError, OSError) as exc:
-                logger.warning("not reopening namespace %s: %s", path.name, exc)
+                logger.warning("not reopening %s: %s", path, exc)
+                continue
+            self._add(Namespace(tenant, namespace, spec, store, path, name))
 
     async def close(self) -> None:
         for entry in list(self.namespaces.values()):
-            await self._close(entry)
+            await self._retire(entry, flush=True)
+            self.namespaces.pop((entry.tenant, entry.namespace), None)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-        if self._lock_file is not None:
-            self._lock_file.close()
-            self._lock_file = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     async def run(self, fn: Callable, *args):
         """``fn(*args)`` on the registry's thread pool."""
         assert self._executor is not None, "registry is not open"
         return await asyncio.get_running_loop().run_in_executor(self._executor, partial(fn, *args))
 
+    async def run_on(self, entry: Namespace, fn: Callable, *args):
+        """``fn(*args)`` on the thread pool, counted as a call of ``entry`` until it returns
+        (a deletion waits for it before closing the store)."""
+        assert self._executor is not None, "registry is not open"
+        future: Future = self._executor.submit(fn, *args)
+        entry.threads.add(future)
+        future.add_done_callback(entry.threads.discard)
+        return await asyncio.wrap_future(future)
+
     # -- namespaces --------------------------------------------------------------------------
-    def get(self, namespace: bytes) -> Namespace | None:
-        entry = self.namespaces.get(namespace)
+    def get(self, tenant: str, namespace: bytes) -> Namespace | None:
+        entry = self.namespaces.get((tenant, namespace))
         return None if entry is None or entry.closing else entry
 
     def __iter__(self) -> Iterator[Namespace]:
-        return iter(list(self.namespaces.values()))
+        return iter([e for e in list(self.namespaces.values()) if not e.closing])
+
+    def of(self, tenant: str) -> list[Namespace]:
+        return [e for e in self if e.tenant == tenant]
 
     @contextlib.asynccontextmanager
-    async def use(self, namespace: bytes) -> AsyncIterator[Namespace]:
+    async def use(self, tenant: str, namespace: bytes) -> AsyncIterator[Namespace]:
         """The namespace, kept open until the block exits. Raises :class:`UnknownNamespace`."""
-        entry = self.get(namespace)
+        entry = self.get(tenant, namespace)
         if entry is None:
             raise UnknownNamespace(namespace.hex())
-        entry.in_flight += 1
-        entry.idle.clear()
+        task = asyncio.current_task()
+        entry.calls.add(task)
         try:
             yield entry
         finally:
-            entry.in_flight -= 1
-            if not entry.in_flight:
-                entry.idle.set()
+            entry.calls.discard(task)
 
-    async def register(self, namespace: bytes, spec: KVSpec) -> tuple[Namespace, bool]:
+    async def register(self, tenant: Tenant, namespace: bytes, spec: KVSpec,
+                       name: str | None = None) -> tuple[Namespace, bool]:
         """``(namespace, created)``; idempotent for the same spec.
 
         Raises:
-            RegistryError: 409 (known with another spec), 507 (``max_namespaces`` reached),
-                413 (block over ``max_block_bytes``), 400 (capacities below one block).
+            RegistryError: 409 (known with another spec, or its directory holds something the
+                daemon did not make), 507 (``max_namespaces`` reached,
+                the daemon's or the tenant's), 413 (block over ``max_block_bytes``), 400
+                (capacities below one block).
         """
         check_namespace(namespace)
-        async with self._changes:
-            entry = self.get(namespace)
-            if entry is not None:
-                if entry.spec != spec:
-                    raise RegistryError(409, f"namespace registered with another spec: expected {describe(entry.spec)}, "
-                                             f"got {describe(spec)}")
-                return entry, False
-            if spec.block_nbytes > self.settings.max_block_bytes:
-                raise RegistryError(413, f"expected blocks of at most {self.settings.max_block_bytes} bytes "
-                                         f"(--max-block-bytes), got {spec.block_nbytes}")
-            if len(self.namespaces) >= self.settings.max_namespaces:
-                raise RegistryError(507, f"expected at most {self.settings.max_namespaces} namespaces "
-                                         "(--max-namespaces); delete one first")
-            path = self.data_dir / namespace_hex(namespace)  # 64 hex digits: never data_dir itself
-            try:
-                store = await self.run(self._create_store, namespace, spec, path)
-            except ValueError as exc:
-                raise RegistryError(400, str(exc)) from None
-            return self._add(Namespace(namespace, spec, store, path)), True
+        key = (tenant.name, namespace)
+        while True:
+            async with self._changes:
+                entry = self.get(*key)
+                if entry is not None:
+                    if entry.spec != spec:
+                        raise RegistryError(409, f"namespace registered with another spec: expected "
+                                                 f"{describe(entry.spec)}, got {describe(spec)}")
+                    return entry, False
+                busy = self._busy.get(key)
+                if busy is None:
+                    self._check_room(tenant, spec)
+                    busy = self._busy[key] = asyncio.get_running_loop().create_future()
+                    break
+            await asyncio.shield(busy)  # another call registers, deletes or resets it: wait, then look again
+        # shielded: a registration whose caller is cut still ends with its store added (or closed)
+        return await asyncio.shield(self._create(tenant, namespace, spec, name, busy)), True
 
-    async def delete(self, namespace: bytes) -> bool:
-        """Close the namespace's store (after its calls in flight) and delete its blocks."""
-        async with self._changes:
-            entry = self.get(namespace)
-            if entry is None:
-                return False
-            await self._close(entry)
-            await self.run(shutil.rmtree, entry.path, True)
-            return True
+    async def _create(self, tenant: Tenant, namespace: bytes, spec: KVSpec, name: str | None,
+                      busy: asyncio.Future) -> Namespace:
+        key = (tenant.name, namespace)
+        try:
+            path = layout.namespace_dir(self.data_dir, tenant.name, namespace)
+            store = await self.run(self._create_store, tenant.name, namespace, spec, name)
+            return self._add(Namespace(tenant.name, namespace, spec, store, path, name))
+        except ValueError as exc:
+            raise RegistryError(400, str(exc)) from None
+        except RuntimeError as exc:  # a directory there that the daemon did not make
+            raise RegistryError(409, str(exc)) from None
+        finally:
+            self._busy.pop(key, None)
+            busy.set_result(None)
+
+    def _check_room(self, tenant: Tenant, spec: KVSpec) -> None:
+        if spec.block_nbytes > self.settings.max_block_bytes:
+            raise RegistryError(413, f"expected blocks of at most {self.settings.max_block_bytes} bytes "
+                                     f"(--max-block-bytes), got {spec.block_nbytes}")
+        if self._count() >= self.settings.max_namespaces:
+            raise RegistryError(507, f"expected at most {self.settings.max_namespaces} namespaces "
+                                     "(--max-namespaces); an admin may delete one")
+        if tenant.max_namespaces is not None and len(self.of(tenant.name)) >= tenant.max_namespaces:
+            raise RegistryError(507, f"expected at most {tenant.max_namespaces} namespaces for tenant "
+                                     f"{tenant.name} (token file)")
+
+    def _count(self) -> int:
+        """Namespaces holding memory: open, being created, being closed."""
+        return len(self.namespaces) + sum(1 for k in self._busy if k not in self.namespaces)
+
+    async def delete(self, tenant: str, namespace: bytes) -> bool:
+        """Cut the namespace's calls in flight, close its store, delete its directory. Runs
+        to the end even if the call that asked is cut (shielded)."""
+        return await asyncio.shield(self._change(tenant, namespace, remove=True))
+
+    async def reset(self, tenant: str, namespace: bytes) -> int | None:
+        """Empty the namespace (every tier, DISK included) and keep it registered: its calls
+        in flight are cut, its store is closed without a flush, its DISK tier deleted, and a
+        new store opened in its place (shielded, like :meth:`delete`). Returns the distinct
+        blocks it held when the reset began, ``None`` when there is no such namespace."""
+        return await asyncio.shield(self._change(tenant, namespace, remove=False))
+
+    async def _change(self, tenant: str, namespace: bytes, remove: bool) -> bool | int | None:
+        key = (tenant, namespace)
+        while True:
+            async with self._changes:
+                entry = self.get(*key)
+                busy = self._busy.get(key)
+                if busy is None:
+                    if entry is None:
+                        return False if remove else None
+                    entry.closing = True
+                    busy = self._busy[key] = asyncio.get_running_loop().create_future()
+                    break
+            await asyncio.shield(busy)
+        try:
+            held = 0 if remove else await self.run(_held_blocks, entry.store)
+            await self._retire(entry, flush=False)
+            if remove:
+                await self.run(layout.remove_namespace_dir, self.data_dir, tenant, namespace)
+                self.namespaces.pop(key, None)
+                return True
+            self.namespaces.pop(key, None)
+            await self.run(layout.wipe_blocks, self.data_dir, tenant, namespace)
+            store = await self.run(self._create_store, tenant, namespace, entry.spec, entry.name)
+            self._add(Namespace(tenant, namespace, entry.spec, store, entry.path, entry.name))
+            return held
+        finally:
+            self._busy.pop(key, None)
+            busy.set_result(None)
 
     def _add(self, entry: Namespace) -> Namespace:
-        entry.idle.set()
         entry.staging_blocks = max(1, min(self.settings.max_batch_blocks, _STAGING_BYTES // entry.spec.block_nbytes))
-        self.namespaces[entry.namespace] = entry
+        entry.pins = Budget(max(1, int(entry.store.top.num_blocks * self.settings.max_pinned_fraction)))
+        entry.label = self._label(entry.tenant, entry.namespace, entry.name)
+        self.namespaces[(entry.tenant, entry.namespace)] = entry
         for callback in self.on_open:
             callback(entry)
         return entry
 
-    async def _close(self, entry: Namespace) -> None:
+    def _label(self, tenant: str, namespace: bytes, name: str | None) -> str:
+        """``tenant/display name`` (token file first, then the registration's), unique within
+        the tenant; else ``tenant/ns-<12 hex digits of HMAC(secret, tenant, namespace)>``."""
+        owner = self.tenants.tenants.get(tenant)
+        name = (owner.names.get(namespace) if owner else None) or name
+        opaque = hmac.new(self._secret, tenant.encode() + b"\0" + namespace, hashlib.sha256).hexdigest()[:12]
+        taken = {e.label for e in self.namespaces.values() if (e.tenant, e.namespace) != (tenant, namespace)}
+        if name and f"{tenant}/{name}" not in taken:
+            return f"{tenant}/{name}"
+        return f"{tenant}/ns-{opaque}"
+
+    async def _retire(self, entry: Namespace, flush: bool) -> None:
+        """Cut the calls in flight, wait for their store threads, close the store."""
         entry.closing = True
-        await entry.idle.wait()
+        current = asyncio.current_task()
+        for task in list(entry.calls):
+            if task is not current:
+                task.cancel()
+        while entry.threads:
+            await asyncio.wait([asyncio.wrap_future(f) for f in list(entry.threads)])
         try:
             for callback in self.on_close:
                 callback(entry)
-            await self.run(entry.store.close)
+            await self.run(_close_store, entry.store, flush)
         except Exception:  # the namespace goes away all the same; its DISK data stays
-            logger.exception("closing namespace %s failed", entry.namespace.hex())
-        finally:
-            self.namespaces.pop(entry.namespace, None)
+            logger.exception("closing namespace %s failed", entry.label)
 
-    def _create_store(self, namespace: bytes, spec: KVSpec, path: Path) -> TieredStore:
-        path.mkdir(parents=True, exist_ok=True)
-        if _read_spec(path) is None:  # a directory left by a delete that failed halfway
-            _write_spec(path, spec)
+    def _create_store(self, tenant: str, namespace: bytes, spec: KVSpec, name: str | None = None) -> TieredStore:
+        path = layout.create_namespace_dir(self.data_dir, tenant, namespace, spec, name)
         try:
             return self._open_store(namespace, spec, path)
         except Exception:
-            shutil.rmtree(path, ignore_errors=True)
+            layout.remove_namespace_dir(self.data_dir, tenant, namespace)  # only ever the one it made
             raise
 
     def _open_store(self, namespace: bytes, spec: KVSpec, path: Path) -> TieredStore:
         config = self.settings.store_config(path, spec.block_size, self.cuda)
-        return TieredStore(spec, config, namespace, device="cuda" if self.cuda and config.gpu_bytes else "cpu")
+        store = TieredStore(spec, config, namespace, device="cuda" if self.cuda and config.gpu_bytes else "cpu")
+        layout.tighten(path)
+        return store
 
 
-def _read_spec(path: Path) -> KVSpec | None:
-    """The spec saved in a namespace directory; ``None`` when ``path`` is not one (its name
-    is not a namespace's 64 lowercase hex digits, or it has no spec file)."""
-    try:
-        parse_namespace(path.name)
-    except ValueError:
-        return None
-    if not path.is_dir():
-        return None
-    try:
-        return unpack_spec((path / SPEC_FILE).read_bytes())
-    except FileNotFoundError:
-        return None
-    except (ValueError, OSError) as exc:
-        logger.warning("ignoring %s: unreadable %s (%s)", path, SPEC_FILE, exc)
-        return None
+def _close_store(store: TieredStore, flush: bool) -> None:
+    """Close ``store``; without ``flush``, memory blocks are dropped, not written to DISK
+    (a namespace being deleted or emptied)."""
+    if not flush and store.config.flush_on_close:
+        store.config = replace(store.config, flush_on_close=False)
+    store.close()
 
 
-def _write_spec(path: Path, spec: KVSpec) -> None:
-    """Atomically (write, fsync, rename): a crash leaves the old file or the new one."""
-    tmp = path / (SPEC_FILE + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(pack_spec(spec))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path / SPEC_FILE)
-
-
-def _lock(path: Path):
-    f = open(path, "a+b")
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.close()
-        raise RuntimeError(f"another kvtier serve uses {path.parent} (it holds {path})") from None
-    return f
+def _held_blocks(store: TieredStore) -> int:
+    """Distinct blocks ``store`` holds in any tier (a reset's reply)."""
+    with store.residency.lock:
+        held = {h for pool in store.pools for h in pool.lru_order()}
+        if store.disk is not None:
+            held.update(store.disk.lru_order())
+    return len(held)

@@ -56,14 +56,16 @@ class RemoteBackend(Protocol):
     # Optional (not part of the runtime check, so that a backend without it still is one):
     # ``clear_namespace(namespace) -> int | None`` deletes every block of ``namespace`` (it
     # stays registered) and returns how many, or ``None`` when the remote could not be
-    # reached; ``TieredStore.reset`` calls it when present (RedisTier, MemoryRemote).
+    # reached; ``TieredStore.reset`` calls it when present (RedisTier, MemoryRemote, and
+    # RemoteTier: the daemon empties a namespace for an admin token only).
 
 
 def make_remote(url: str, token: str | None = None, timeout_s: float = 2.0) -> RemoteBackend:
-    """Backend for a ``remote_url``: ``http(s)://`` -> RemoteTier, ``redis://``,
-    ``rediss://``, ``redis+cluster://`` -> RedisTier. Raises ``ValueError`` on another scheme."""
+    """Backend for a ``remote_url``: ``http(s)://`` and ``unix:///path`` -> RemoteTier (the
+    daemon), ``redis://``, ``rediss://``, ``redis+cluster://`` -> RedisTier. Raises
+    ``ValueError`` on another scheme."""
     scheme = url.split("://", 1)[0].lower()
-    if scheme in ("http", "https"):
+    if scheme in ("http", "https", "unix"):
         from kvtier.tiers.remote import RemoteTier
 
         return RemoteTier(url, token=token, timeout_s=timeout_s)
@@ -71,4 +73,4 @@ def make_remote(url: str, token: str | None = None, timeout_s: float = 2.0) -> R
         from kvtier.tiers.redis import RedisTier
 
         return RedisTier(url, timeout_s=timeout_s)
-    raise ValueError(f"expected an http://, redis:// or redis+cluster:// remote_url, got {url!r}")
+    raise ValueError(f"expected an http://, unix://, redis:// or redis+cluster:// remote_url, got {url!r}")

@@ -21,7 +21,7 @@ from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.remote import RemoteTier
 from kvtier.types import KVSpec
 from tests.conftest import random_blocks
-from tests.unit.server.conftest import NAMESPACE, spawn  # noqa: F401  (spawn: the daemon fixture, defined beside the server's tests)
+from tests.unit.server.conftest import NAMESPACE, ns_dir, spawn  # noqa: F401  (spawn: the daemon fixture, defined beside the server's tests)
 
 pytestmark = pytest.mark.slow  # a daemon subprocess killed and restarted
 
@@ -107,7 +107,7 @@ def test_kill9_during_puts_loses_no_acknowledged_block(spawn, tmp_path):
     assert len(acked) >= ROUNDS * BATCH
 
     # daemon side: every record on DISK verifies and the index agrees with the database
-    disk = DiskTier(data_dir / NAMESPACE.hex() / "disk", 256 << 20)
+    disk = DiskTier(ns_dir(data_dir) / "disk", 256 << 20)
     try:
         disk.check()
         assert acked <= set(disk.lru_order())
@@ -117,4 +117,4 @@ def test_kill9_during_puts_loses_no_acknowledged_block(spawn, tmp_path):
             assert torch.equal(out.view(torch.uint8), sent[h].view(torch.uint8))
     finally:
         disk.close()
-    assert os.path.exists(data_dir / NAMESPACE.hex() / "spec.msgpack")
+    assert os.path.exists(ns_dir(data_dir) / "spec.msgpack")

@@ -103,3 +103,64 @@ def test_both_remote_clients_use_the_policy_with_the_same_defaults():
     assert RedisTier("redis://127.0.0.1:1", backoff_s=0.2, max_backoff_s=0.4).backoff.max_s == 0.4
     remote.close()
     redis.close()
+
+
+# -- the daemon's other names (issue 12) ---------------------------------------------------------
+from kvtier.checks import (check_token, parse_display_name, parse_hex, parse_tenant,  # noqa: E402
+                           parse_uint, parse_unix_url)
+
+
+@pytest.mark.parametrize("name", ["a", "team-a", "t_1", "x" * 32, "0"])
+def test_tenant_names_of_the_grammar_are_taken(name):
+    assert parse_tenant(name) == name
+
+
+@pytest.mark.parametrize("name", ["", "A", "a ", " a", "a\n", "-a", "_a", "x" * 33, "..", ".", "a/b", "é",
+                                  "\u0660", "a%20", "te.am", None, 7, b"a"])
+def test_tenant_names_off_the_grammar_are_refused(name):
+    with pytest.raises(ValueError, match="expected a tenant name"):
+        parse_tenant(name)
+
+
+def test_display_names_tokens_hex_and_decimals_have_one_grammar_each():
+    assert parse_display_name("llama-3.1:8B_x") == "llama-3.1:8B_x"
+    for bad in ("", "-x", "a b", "x" * 65, "a\"b", "a\nb", "é", None):
+        with pytest.raises(ValueError, match="expected a display name"):
+            parse_display_name(bad)
+    assert check_token("!" + "a" * 15, min_length=16) == "!" + "a" * 15
+    for bad in ("", "a b", "tab\there", "é" * 20, "a" * 1025, "\x7f" * 20, None, b"abc"):
+        with pytest.raises(ValueError, match="expected a token"):
+            check_token(bad)
+    with pytest.raises(ValueError, match="expected a token of 16-1024"):
+        check_token("a" * 15, min_length=16)
+    assert parse_hex("00ff", 2, "x") == b"\x00\xff"
+    for bad in ("00FF", "00f", "00fff", " 00f", "0x0f", "٠٠ff", None):
+        with pytest.raises(ValueError, match="expected x as 4 lowercase hex digits"):
+            parse_hex(bad, 2, "x")
+    assert parse_uint("0", "n") == 0 and parse_uint("123", "n") == 123
+    for bad in ("", "-1", "+1", " 1", "1 ", "1_000", "١", "0x1", "1" * 20, None):
+        with pytest.raises(ValueError, match="expected n as a decimal integer"):
+            parse_uint(bad, "n")
+
+
+@pytest.mark.parametrize("url", ["unix://relative.sock", "unix:///", "unix:///a/../b.sock", "unix:///a//b.sock",
+                                 "unix:///a/./b.sock", "unix:///a.sock?x=1", "unix:///a.sock#f", "unix:////a.sock",
+                                 "unix:///" + "a" * 107, "unix:///a\nb", "http:///a.sock", "unix:/a.sock", None])
+def test_unix_urls_are_absolute_normalized_short_paths(url):
+    with pytest.raises(ValueError, match="expected a unix socket URL"):
+        parse_unix_url(url)
+
+
+def test_a_unix_url_is_a_store_config_remote_url():
+    from kvtier.config import StoreConfig
+    from kvtier.tiers.backend import make_remote
+
+    assert parse_unix_url("unix:///run/kvtier/kvtier.sock") == "/run/kvtier/kvtier.sock"
+    assert StoreConfig(remote_url="unix:///run/kvtier/kvtier.sock").remote_url == "unix:///run/kvtier/kvtier.sock"
+    with pytest.raises(ValueError, match="unix socket URL"):
+        StoreConfig(remote_url="unix://run/kvtier.sock")
+    remote = make_remote("unix:///tmp/nobody-listens-here.sock", timeout_s=0.5)
+    try:
+        assert remote.lookup(NS, [b"\x00" * 32]) == 0 and remote.errors["unavailable"] == 1
+    finally:
+        remote.close()

@@ -81,6 +81,7 @@ def test_cpu_kernels_do_not_import_triton() -> None:
         (["serve", "--help"], "--port"),
         (["stats", "--help"], "Usage:"),
         (["cache", "--help"], "ls"),
+        (["admin", "--help"], "clear"),
         (["cache", "rm", "--help"], "--all"),
         (["clear", "--help"], "--data-dir"),
         (["explain", "--help"], "--namespace"),

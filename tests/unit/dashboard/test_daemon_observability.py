@@ -1,5 +1,6 @@
-"""``kvtier serve`` exposes /metrics, /v1/stats and /dashboard over its namespaces' stores;
-with a token, the figures need it and the page (no data in it) does not."""
+"""``kvtier serve`` exposes /metrics, /v1/stats and /dashboard over its namespaces' stores,
+named by label (never by namespace id, issue 12); with a token, the figures need it and the
+page (no data in it) does not."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.server.app import make_app
+from kvtier.server.app import REGISTRY, make_app
 from kvtier.wire import pack
 from tests.conftest import random_blocks
-from tests.unit.server.conftest import NAMESPACE, SPEC, frames, hashes, ns_url, register, serve_settings
+from tests.unit.server.conftest import NAMESPACE, SPEC, ApiClient, frames, hashes, ns_url, register, serve_settings
 
 B = SPEC.block_size
 
@@ -21,7 +22,7 @@ async def daemon(tmp_path):
     clients: list[TestClient] = []
 
     async def start(**kwargs) -> TestClient:
-        client = TestClient(TestServer(make_app(serve_settings(tmp_path / "data", **kwargs))))
+        client = ApiClient(TestServer(make_app(serve_settings(tmp_path / "data", **kwargs))))
         await client.start_server()
         clients.append(client)
         return client
@@ -53,7 +54,9 @@ async def test_daemon_serves_stats_metrics_and_dashboard(daemon):
     client = await daemon()
     await traffic(client)
     doc = await (await client.get("/v1/stats")).json()
-    ns = doc["namespaces"][NAMESPACE.hex()]
+    label = client.server.app[REGISTRY].get("default", NAMESPACE).label
+    assert label.startswith("default/ns-") and list(doc["namespaces"]) == [label]
+    ns = doc["namespaces"][label]
     assert ns["lookup_tokens"] == 6 * B
     assert ns["hit_tokens_total"] == 4 * B
     assert ns["stored_tokens"]["CPU"] == 4 * B
@@ -61,8 +64,9 @@ async def test_daemon_serves_stats_metrics_and_dashboard(daemon):
     text = await (await client.get("/metrics")).text()
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in text_string_to_metric_families(text) for s in f.samples}
-    assert samples[("kvtier_lookup_tokens_total", (("namespace", NAMESPACE.hex()),))] == 6 * B
-    assert samples[("kvtier_operation_duration_seconds_count", (("namespace", NAMESPACE.hex()), ("op", "lookup")))] == 1
+    assert samples[("kvtier_lookup_tokens_total", (("namespace", label),))] == 6 * B
+    assert samples[("kvtier_operation_duration_seconds_count", (("namespace", label), ("op", "lookup")))] == 1
+    assert NAMESPACE.hex()[:16] not in text and NAMESPACE.hex()[:16] not in str(doc)
     page = await client.get("/dashboard")
     assert page.status == 200 and "uPlot.iife.min.js" in await page.text()
     paths = (await (await client.get("/openapi.json")).json())["paths"]

@@ -12,7 +12,7 @@ import msgpack
 import pytest
 import torch
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestServer
 
 from kvtier.config import StoreConfig
 from kvtier.dashboard import setup_events
@@ -25,7 +25,8 @@ from kvtier.tiers.disk import record_footprint
 from kvtier.types import KVSpec
 from kvtier.wire import pack
 from tests.conftest import random_blocks
-from tests.unit.server.conftest import NAMESPACE, SPEC as DAEMON_SPEC, frames, hashes, ns_url, register, serve_settings
+from tests.unit.server.conftest import (NAMESPACE, SPEC as DAEMON_SPEC, ApiClient, frames, hashes, ns_url, register,
+                                       serve_settings)
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=4, block_size=16, dtype=torch.float32)
 
@@ -171,7 +172,7 @@ def test_batch_json_is_the_streams_data(tmp_path):
 
 @pytest.fixture
 async def daemon(tmp_path):
-    client = TestClient(TestServer(make_app(serve_settings(tmp_path / "data"))))
+    client = ApiClient(TestServer(make_app(serve_settings(tmp_path / "data"))))  # bodies typed by route
     await client.start_server()
     yield client
     await client.close()
@@ -182,7 +183,8 @@ async def test_daemon_streams_events_and_explains(daemon):
     hs = hashes(6)
     response = await daemon.post(ns_url(op="put"), data=frames(NAMESPACE, hs[:4], random_blocks(DAEMON_SPEC, 4)))
     assert response.status == 200
-    response = await daemon.get(f"/v1/events?namespace={NAMESPACE.hex()}")
+    label = msgpack.unpackb(await (await daemon.get(ns_url())).read())["label"]  # never the namespace id
+    response = await daemon.get(f"/v1/events?namespace={label}")
     assert response.status == 200 and response.headers["Content-Type"].startswith("text/event-stream")
     line = b""
     while not line.startswith(b"data: "):

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from kvtier.config import StoreConfig
 from kvtier.records import HEADER_NBYTES, encode_header, parse_header
 from kvtier.server.app import make_app
+from kvtier.server.serve import start
 from kvtier.server.settings import ServeConfig
-from kvtier.wire import END, block_bytes, frame_prefix, pack, spec_to_wire
+from kvtier.wire import END, FRAMES, MSGPACK, block_bytes, frame_prefix, pack, spec_to_wire
 from kvtier.tiers.disk import record_footprint
 from tests.conftest import tiny_spec
 
@@ -38,7 +40,13 @@ def serve_settings(data_dir: Path, cpu_blocks: int = 64, disk_blocks: int = 256,
                         disk_bytes=disk_blocks * record_footprint(spec.block_nbytes), data_dir=data_dir,
                         num_io_threads=1)
     kwargs.setdefault("num_threads", 2)
-    return ServeConfig(store=store, port=0, **kwargs)
+    kwargs.setdefault("port", 0)
+    return ServeConfig(store=store, **kwargs)
+
+
+def ns_dir(data_dir: Path, namespace: bytes = NAMESPACE, tenant: str = "default") -> Path:
+    """Where the daemon keeps a namespace of a tenant (kvtier.server.layout)."""
+    return data_dir / "tenants" / tenant / namespace.hex()
 
 
 def ns_url(namespace: bytes = NAMESPACE, op: str = "") -> str:
@@ -72,6 +80,20 @@ def parse_frames(body: bytes) -> list[tuple[bytes, bytes, bytes]]:
     return out
 
 
+class ApiClient(TestClient):
+    """A test client that sends a body with the media type its route takes (``/put``:
+    frames, anything else: msgpack), as kvtier's own client does; an explicit
+    ``Content-Type`` header wins."""
+
+    async def _request(self, method: str, path, **kwargs):
+        if kwargs.get("data") is not None:
+            headers = dict(kwargs.get("headers") or {})
+            if not any(k.lower() == "content-type" for k in headers):
+                headers["Content-Type"] = FRAMES if str(path).rstrip("/").endswith("/put") else MSGPACK
+            kwargs["headers"] = headers
+        return await super()._request(method, path, **kwargs)
+
+
 @pytest.fixture
 async def make_api(tmp_path):
     """``await make_api(settings=None, **settings_kwargs)`` -> aiohttp TestClient of a fresh
@@ -80,7 +102,7 @@ async def make_api(tmp_path):
 
     async def factory(settings: ServeConfig | None = None, **kwargs) -> TestClient:
         settings = settings or serve_settings(tmp_path / "data", **kwargs)
-        client = TestClient(TestServer(make_app(settings)))
+        client = ApiClient(TestServer(make_app(settings)))
         await client.start_server()
         clients.append(client)
         return client
@@ -105,11 +127,15 @@ class ThreadDaemon:
         self.app: web.Application | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._runner: web.AppRunner | None = None
+        self.running = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def unix_url(self) -> str:
+        return f"unix://{self.settings.unix_socket}"
 
     def start(self) -> "ThreadDaemon":
         self._loop = asyncio.new_event_loop()
@@ -119,11 +145,10 @@ class ThreadDaemon:
         return self
 
     async def _start(self) -> None:
-        self.app = make_app(self.settings)
-        self._runner = web.AppRunner(self.app, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-        self.port = self._runner.addresses[0][1]
+        port = self.port if self.settings.port is not None else None
+        self.running = await start(replace(self.settings, port=port))
+        self.app = self.running.app
+        self.port = int(self.running.urls[0].rsplit(":", 1)[1]) if self.settings.port is not None else 0
 
     def call(self, fn):
         """``fn()`` on the daemon's loop thread (to look at its stores)."""
@@ -135,7 +160,7 @@ class ThreadDaemon:
     def stop(self) -> None:
         if self._loop is None:
             return
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
+        asyncio.run_coroutine_threadsafe(self.running.stop(), self._loop).result(30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         self._loop.close()
@@ -229,6 +254,10 @@ class CorruptingProxy:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def unix_url(self) -> str:
+        return f"unix://{self.settings.unix_socket}"
 
     def _accept(self) -> None:
         while not self._closed:

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from kvtier.app.cli import main
 from kvtier.records import encode_header
 from kvtier.server.app import REGISTRY, SETTINGS
-from kvtier.server.registry import SPEC_FILE
+from kvtier.server.layout import MARKER_FILE, SPEC_FILE
 from kvtier.server.settings import ServeConfig
 from kvtier.wire import END, frame_prefix, pack, pack_spec, spec_from_wire, spec_to_wire, unpack_spec
 from kvtier.types import KVSpec, LayerGroup, Medium
@@ -23,6 +23,7 @@ from tests.unit.server.conftest import (
     SPEC,
     frames,
     hashes,
+    ns_dir,
     ns_url,
     parse_frames,
     register,
@@ -135,7 +136,7 @@ async def test_register_carries_layer_groups_and_they_survive_a_restart(make_api
     await client.close()
 
     client = await make_api(settings)
-    assert client.server.app[REGISTRY].get(NAMESPACE).spec == spec
+    assert client.server.app[REGISTRY].get("default", NAMESPACE).spec == spec
     assert (await lookup(client, hs)) == {"num_blocks": 3, "media": ["DISK"] * 3}
     assert [p for _, _, p in await get_blocks(client, hs)] == [payload(b) for b in blocks]
 
@@ -152,7 +153,7 @@ async def test_delete_drops_the_namespace_and_its_blocks(make_api, tmp_path):
     await put_blocks(client, hs, random_blocks(SPEC, 3))
     assert (await client.delete(ns_url())).status == 200
     assert (await client.post(ns_url(NAMESPACE, "lookup"), data=pack({"block_hashes": hs}))).status == 404
-    assert not (tmp_path / "data" / NAMESPACE.hex()).exists()
+    assert not ns_dir(tmp_path / "data").exists()
     assert (await client.delete(ns_url())).status == 404
     await register(client)  # registers afresh, empty
     assert (await lookup(client, hs))["num_blocks"] == 0
@@ -187,9 +188,10 @@ async def test_restart_ignores_directories_not_named_by_a_namespace(make_api, tm
     client = await make_api(settings)
     await register(client)
     await client.close()
-    stray = tmp_path / "data" / NAMESPACE.hex().upper()  # same bytes, another spelling
+    stray = ns_dir(tmp_path / "data").parent / NAMESPACE.hex().upper()  # same bytes, another spelling
     stray.mkdir()
-    (stray / SPEC_FILE).write_bytes((tmp_path / "data" / NAMESPACE.hex() / SPEC_FILE).read_bytes())
+    for name in (SPEC_FILE, MARKER_FILE):
+        (stray / name).write_bytes((ns_dir(tmp_path / "data") / name).read_bytes())
 
     client = await make_api(settings)
     registry = client.server.app[REGISTRY]
@@ -217,7 +219,7 @@ async def test_durable_put_is_on_disk_when_acknowledged(make_api):
     await register(client)
     hs = hashes(4)
     assert await put_blocks(client, hs, random_blocks(SPEC, 4, seed=4)) == [True] * 4
-    store = client.server.app[REGISTRY].get(NAMESPACE).store
+    store = client.server.app[REGISTRY].get("default", NAMESPACE).store
     assert all(h in store.disk for h in hs)
 
 
@@ -229,7 +231,7 @@ async def test_get_streams_more_blocks_than_the_pool_holds(make_api):
         assert await put_blocks(client, hs[start : start + 4], blocks[start : start + 4]) == [True] * 4
     got = await get_blocks(client, hs)
     assert [p for _, _, p in got] == [payload(b) for b in blocks]
-    store = client.server.app[REGISTRY].get(NAMESPACE).store
+    store = client.server.app[REGISTRY].get("default", NAMESPACE).store
     store.check_invariants()  # every pin of the chunks released
 
 
@@ -243,7 +245,7 @@ async def test_a_put_frame_with_a_bad_checksum_is_not_stored(make_api):
     response = await client.post(ns_url(NAMESPACE, "put"), data=bytes(body))
     assert msgpack.unpackb(await response.read())["stored"] == [True, False, True]
     assert (await lookup(client, hs))["num_blocks"] == 1
-    assert client.server.app[REGISTRY].get(NAMESPACE).rejected_blocks == 1
+    assert client.server.app[REGISTRY].get("default", NAMESPACE).rejected_blocks == 1
 
 
 # -- case S1: body limits ------------------------------------------------------------------------
@@ -388,7 +390,7 @@ async def test_bad_input_is_4xx_with_a_message_and_the_daemon_keeps_serving(make
 
     assert (await client.get("/healthz")).status == 200
     assert [p for _, _, p in await get_blocks(client, hs)] == [payload(b) for b in blocks]  # nothing lost
-    client.server.app[REGISTRY].get(NAMESPACE).store.check_invariants()
+    client.server.app[REGISTRY].get("default", NAMESPACE).store.check_invariants()
 
 
 async def test_media_report_the_fastest_tier(make_api):
@@ -455,4 +457,25 @@ async def test_openapi_describes_every_route(make_api):
     assert {("PUT", "/v1/namespaces/{ns}"), ("POST", "/v1/namespaces/{ns}/get"),
             ("POST", "/v1/namespaces/{ns}/put"), ("POST", "/v1/namespaces/{ns}/lookup"),
             ("DELETE", "/v1/namespaces/{ns}"), ("GET", "/v1/namespaces/{ns}"), ("GET", "/healthz"),
-            ("GET", "/openapi.json")} == own
+            ("GET", "/openapi.json"), ("POST", "/v1/auth/hello"), ("POST", "/v1/namespaces/{ns}/reset"),
+            ("GET", "/v1/admin/namespaces"), ("POST", "/v1/admin/reset"),
+            ("DELETE", "/v1/admin/tenants/{tenant}/namespaces/{ns}"),
+            ("POST", "/v1/admin/tenants/{tenant}/namespaces/{ns}/reset")} == own
+
+
+async def test_namespaces_of_the_layout_before_tenants_move_to_tenant_default_and_hit(make_api, tmp_path):
+    """A data directory of a daemon before tenants (``<data_dir>/<hex>/spec.msgpack + disk/``)
+    is moved to ``tenants/default/`` on start, its blocks still hits."""
+    settings = serve_settings(tmp_path / "data")
+    client = await make_api(settings)
+    await register(client)
+    hs, blocks = hashes(4), random_blocks(SPEC, 4, seed=6)
+    await put_blocks(client, hs, blocks)
+    await client.close()
+    old = tmp_path / "data" / NAMESPACE.hex()
+    ns_dir(tmp_path / "data").rename(old)
+    (old / MARKER_FILE).unlink()
+
+    client = await make_api(settings)
+    assert (await lookup(client, hs)) == {"num_blocks": 4, "media": ["DISK"] * 4}
+    assert not old.exists() and (ns_dir(tmp_path / "data") / MARKER_FILE).is_file()

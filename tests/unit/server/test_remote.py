@@ -17,7 +17,7 @@ from kvtier.tiers.backend import RemoteBackend, make_remote
 from kvtier.tiers.remote import RemoteTier
 from kvtier.types import KVSpec
 from tests.conftest import random_blocks
-from tests.unit.server.conftest import NAMESPACE, SPEC, CorruptingProxy, hashes
+from tests.unit.server.conftest import NAMESPACE, SPEC, CorruptingProxy, hashes, ns_dir
 
 OK, MISSING = ReadStatus.OK, ReadStatus.MISSING
 HANG_BOUND_S = 10.0  # a call that takes longer than this is a hang, not a slow miss
@@ -231,7 +231,7 @@ def test_a_corrupt_record_on_the_daemons_disk_is_never_served(thread_daemon, rem
     hs, blocks = hashes(3), random_blocks(SPEC, 3, seed=9)
     remote.put(NAMESPACE, hs, list(blocks))
     daemon.stop()  # flushed to DISK
-    env = lmdb.open(str(tmp_path / "data" / NAMESPACE.hex() / "disk"), map_size=1 << 26)
+    env = lmdb.open(str(ns_dir(tmp_path / "data") / "disk"), map_size=1 << 26)
     with env.begin(write=True) as txn:
         value = bytearray(txn.get(hs[1]))
         value[-5] ^= 0x04  # one payload bit
@@ -242,7 +242,7 @@ def test_a_corrupt_record_on_the_daemons_disk_is_never_served(thread_daemon, rem
     outs = empty_outs(3)
     assert remote.get_into(NAMESPACE, hs, outs) == [OK, MISSING, MISSING]
     assert torch.equal(outs[0], blocks[0])
-    store = daemon.call(lambda: daemon.app[REGISTRY].get(NAMESPACE).store)
+    store = daemon.call(lambda: daemon.app[REGISTRY].get("default", NAMESPACE).store)
     assert sum(store.stats.load_failures.values()) == 1
     assert remote.lookup(NAMESPACE, hs) == 1  # the corrupt record was dropped
 
