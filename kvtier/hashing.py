@@ -55,6 +55,10 @@ class KeyContext:
         lora_name, lora_version: LoRA adapter applied, if any.
         cache_salt: tenant isolation salt (vLLM's ``cache_salt``): tenants never share blocks.
         hash_name: block hash function; part of the namespace so two choices never mix.
+        kv_config: canonical bytes of the K/V-relevant fields of the effective model config
+            (:func:`kvtier.model_keys.kv_config_bytes`): RoPE, windows, heads, attention
+            scaling, KV dtype, ... Set by the connectors whatever ``model_revision`` says, so
+            a config change under one revision string misses (``b""``: not given).
     """
 
     model_id: str
@@ -68,6 +72,7 @@ class KeyContext:
     lora_version: str | None = None
     cache_salt: str | None = None
     hash_name: HashName = "sha256"
+    kv_config: bytes = b""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id:
@@ -82,6 +87,8 @@ class KeyContext:
             v = getattr(self, f)
             if v is not None and not isinstance(v, str):
                 raise ValueError(f"expected {f} to be a str or None, got {type(v).__name__}")
+        if not isinstance(self.kv_config, bytes):
+            raise ValueError(f"expected kv_config to be bytes (kv_config_bytes), got {type(self.kv_config).__name__}")
 
     def canonical_bytes(self) -> bytes:
         """Canonical encoding: msgpack of ``[[field_name, value], ...]`` in declaration order.

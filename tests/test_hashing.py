@@ -98,6 +98,7 @@ _contexts = st.builds(
     lora_version=_text,
     cache_salt=_text,
     hash_name=st.sampled_from(["sha256", "xxh3_128"]),
+    kv_config=st.one_of(st.just(b""), st.binary(max_size=6)),
 )
 
 

@@ -38,6 +38,7 @@ import torch
 
 from kvtier.config import StoreConfig
 from kvtier.hashing import KeyContext, block_hashes_for
+from kvtier.model_keys import kv_config_bytes, kv_config_fields
 from kvtier.kernels import gather_blocks_to_layers, scatter_contiguous_to_blocks
 from kvtier.store import PrefetchHandle, TieredStore
 from kvtier.types import KV_LAYOUT, BlockHash, KVSpec, Medium, dtype_name
@@ -168,7 +169,8 @@ class HFConnector:
         """Build the key context and a store (GPU pool on the model's device) for ``model``.
 
         ``config`` defaults to ``StoreConfig.from_env()``; ``model_revision`` defaults to
-        :func:`weights_fingerprint`.
+        :func:`weights_fingerprint`. The K/V-relevant fields of ``model.config`` as it is
+        now (:mod:`kvtier.model_keys`) are keyed on their own whatever ``model_revision`` says.
         """
         config = config or StoreConfig.from_env()
         spec = kv_spec_for(model, config.block_size)
@@ -182,6 +184,7 @@ class HFConnector:
             lora_version=lora_version,
             cache_salt=cache_salt,
             hash_name=config.hash_name,
+            kv_config=kv_config_bytes(kv_config_fields(model.config, kv_cache_dtype=dtype_name(spec.dtype))),
         )
         store = TieredStore(spec, config, key_context.namespace(), device=model.device)
         return cls(model, store, key_context)

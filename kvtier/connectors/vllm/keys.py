@@ -4,7 +4,8 @@ Both sides of the connector derive the same keys from the same ``VllmConfig`` (t
 hashes, the worker's store checks every DISK/REMOTE record against its namespace):
 
 - :class:`EngineKey` holds what is fixed for an engine: model id, weights fingerprint, K/V
-  dtype, block layout, ``block_size``, TP size and the hash function.
+  dtype, block layout, ``block_size``, TP size, the hash function and the K/V-relevant
+  fields of the model config as vLLM runs it (:func:`kv_config_for`: after ``hf_overrides``).
 - The store namespace of TP rank ``r`` is ``KeyContext(**engine fields, tp_rank=r)``.
 - A request's chain root adds what varies per request, LoRA adapter and ``cache_salt``:
   ``KeyContext(..., tp_rank=r, lora_name, lora_version, cache_salt).namespace()``. Two tenants
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.hashing import KeyContext, hash_block_tokens
+from kvtier.model_keys import kv_config_bytes, kv_config_fields
 from kvtier.types import BlockHash
 
 logger = logging.getLogger(__name__)
@@ -86,6 +88,23 @@ def model_revision_for(model_config: Any, override: str | None = None) -> str:
         return f"hub:{revision or 'main'}"
 
 
+def kv_config_for(vllm_config: Any) -> bytes:
+    """The ``kv_config`` key field of an engine: the K/V-relevant fields of the config vLLM
+    runs (``model_config.hf_config``, which already holds every ``hf_overrides`` entry, flat
+    or nested, e.g. a RoPE scaling override; its text config for a multimodal model), the K/V
+    cache dtype (``cache_config.cache_dtype``: ``auto``, ``fp8``, ``fp8_e4m3``, ``fp8_e5m2``;
+    and whether its scales are computed) and the engine settings that change attention
+    (``disable_sliding_window``, ``quantization``)."""
+    model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+    return kv_config_bytes(kv_config_fields(
+        model_config.hf_config,
+        kv_cache_dtype=str(cache_config.cache_dtype),
+        calculate_kv_scales=bool(getattr(cache_config, "calculate_kv_scales", False)),
+        disable_sliding_window=bool(getattr(model_config, "disable_sliding_window", False)),
+        quantization=getattr(model_config, "quantization", None),
+    ))
+
+
 @dataclass(frozen=True)
 class EngineKey:
     """The key fields fixed for one engine (see the module docstring).
@@ -98,6 +117,7 @@ class EngineKey:
         block_size: tokens per block (vLLM's ``block_size``).
         tp_size: tensor-parallel world size.
         hash_name: ``"sha256"`` or ``"xxh3_128"``.
+        kv_config: :func:`kv_config_for` (``KeyContext.kv_config``).
     """
 
     model_id: str
@@ -107,6 +127,7 @@ class EngineKey:
     block_size: int
     tp_size: int = 1
     hash_name: str = "sha256"
+    kv_config: bytes = b""
 
     def context(
         self,
@@ -128,6 +149,7 @@ class EngineKey:
             lora_version=lora_version,
             cache_salt=cache_salt,
             hash_name=self.hash_name,  # type: ignore[arg-type]
+            kv_config=self.kv_config,
         )
 
     def namespace(self, tp_rank: int) -> bytes:
