@@ -21,6 +21,10 @@ is gathered as soon as its own copy landed.
 ``after_request`` stores every full block of ``prompt + output`` whose K/V the cache holds
 (the last generated token has none: it was sampled, never fed back).
 
+Both hooks pass the store the token fingerprint of every block (:func:`block_keys_for`): a
+block is stored with the tokens it was computed from, and a load serves only blocks whose
+tokens are the prompt's (a hash collision or a forged record is a miss).
+
 Batch size 1 (one request per call); Llama-architecture models whose cache layers are
 plain ``DynamicLayer`` s (full attention). Works with transformers 4.56+ and 5.x.
 """
@@ -37,7 +41,7 @@ import numpy as np
 import torch
 
 from kvtier.config import StoreConfig
-from kvtier.hashing import KeyContext, block_hashes_for
+from kvtier.hashing import KeyContext, block_hashes_for, block_keys_for
 from kvtier.model_keys import kv_config_bytes, kv_config_fields
 from kvtier.kernels import gather_blocks_to_layers, scatter_contiguous_to_blocks
 from kvtier.store import PrefetchHandle, TieredStore
@@ -95,6 +99,9 @@ class PrefetchTicket:
     block_hashes: list[BlockHash]
     handle: PrefetchHandle
     used: bool = False
+    fingerprints: list[bytes] = field(default_factory=list)
+    """The prompt's token fingerprints: a ticket serves only a prompt of the same tokens (a
+    prompt whose hashes collide with it gets a prefetch of its own)."""
 
     def cancel(self) -> None:
         """Give the pins back (the request went away)."""
@@ -195,13 +202,18 @@ class HFConnector:
         tokens = _token_list(token_ids)
         return block_hashes_for(tokens, self.namespace, self.block_size, self.key_context.hash_name)
 
+    def block_keys(self, token_ids: Sequence[int] | torch.Tensor) -> tuple[list[BlockHash], list[bytes]]:
+        """Hashes and token fingerprints of the full blocks of ``token_ids`` (:func:`block_keys_for`)."""
+        return block_keys_for(_token_list(token_ids), self.namespace, self.block_size, self.key_context.hash_name)
+
     def prefetch(self, input_ids: torch.Tensor | Sequence[int]) -> PrefetchTicket:
         """Start loading the prompt's cached prefix now; pass the ticket to
         :meth:`before_prefill`. Raises ``ValueError`` like :meth:`before_prefill`."""
         tokens = _prompt_tokens(input_ids)
-        block_hashes = self.block_hashes(tokens)
+        block_hashes, fingerprints = self.block_keys(tokens)
         max_blocks = (len(tokens) - 1) // self.block_size  # leave >= 1 token to prefill
-        return PrefetchTicket(block_hashes, self.store.prefetch(block_hashes[:max_blocks]))
+        handle = self.store.prefetch(block_hashes[:max_blocks], fingerprints=fingerprints[:max_blocks])
+        return PrefetchTicket(block_hashes, handle, fingerprints=fingerprints)
 
     def before_prefill(
         self, input_ids: torch.Tensor | Sequence[int], ticket: PrefetchTicket | None = None
@@ -220,8 +232,8 @@ class HFConnector:
             ValueError: batch size other than 1, an empty prompt.
         """
         tokens = _prompt_tokens(input_ids)
-        block_hashes = self.block_hashes(tokens)
-        if ticket is None or ticket.used or ticket.block_hashes != block_hashes:
+        block_hashes, fingerprints = self.block_keys(tokens)
+        if ticket is None or ticket.used or (ticket.block_hashes, ticket.fingerprints) != (block_hashes, fingerprints):
             if ticket is not None and not ticket.used:
                 ticket.cancel()  # for another prompt
             ticket = self.prefetch(tokens)  # a ticket serves one prefill: its lease is gone after
@@ -262,7 +274,7 @@ class HFConnector:
         tokens = _token_list(token_ids)
         keys, values = _cache_layers(cache)
         num_tokens = min(len(tokens), keys[0].shape[-2]) if keys else 0
-        block_hashes = self.block_hashes(tokens[:num_tokens])
+        block_hashes, fingerprints = self.block_keys(tokens[:num_tokens])
         if not block_hashes:
             return 0
         pool = self.store.top.tensor
@@ -275,7 +287,7 @@ class HFConnector:
                 )
 
         with torch.no_grad():
-            return self.store.store_with(block_hashes, write)
+            return self.store.store_with(block_hashes, write, fingerprints)
 
     def close(self) -> None:
         self.store.close()

@@ -21,7 +21,7 @@ from kvtier.store.residency import Residency
 from kvtier.store.results import StoreStats
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.pool import BlockPool
-from kvtier.types import BlockHash, KVSpec, Medium
+from kvtier.types import BlockHash, Fingerprint, KVSpec, Medium
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,13 @@ class Placement:
         if self.disk is not None and block_hash in self.disk:
             return Medium.DISK
         return None
+
+    def fingerprint_of(self, block_hash: BlockHash, medium: Medium) -> Fingerprint | None:
+        """The token fingerprint ``medium`` (a pool or DISK) keeps with ``block_hash``."""
+        if medium is Medium.DISK:
+            return self.disk.fingerprint_of(block_hash) if self.disk is not None else None
+        pool = self.pool(medium)
+        return pool.fingerprint(block_hash) if pool is not None else None
 
     def local_prefix(self, block_hashes: Sequence[BlockHash]) -> list[Medium]:
         """Medium of each leading block held by some local tier."""
@@ -173,7 +180,7 @@ class Placement:
         finally:
             self._residency.unpin(todo)
         for h in todo:
-            below_id = below.allocate(h)
+            below_id = below.allocate(h, pool.fingerprint(h))
             if below_id is None:
                 break
             below.tensor[below_id].copy_(pool.tensor[pool.block_id(h)])
@@ -194,8 +201,10 @@ class Placement:
         for start in range(0, len(block_hashes), batch):
             puts = []
             for h in block_hashes[start : start + batch]:
-                block = pool.tensor[pool.block_id(h)]
-                puts.append((h, self.namespace, block if block.device.type == "cpu" else block.cpu()))
+                block_id = pool.block_id(h)
+                block = pool.tensor[block_id]
+                block = block if block.device.type == "cpu" else block.cpu()
+                puts.append((h, self.namespace, block, pool.fingerprint_at(block_id)))
             try:
                 ok = self.disk.write_batch(puts, deletes=victims if start == 0 else ())
             except Exception as exc:  # never into the inference loop: the blocks are just not on DISK

@@ -4,17 +4,28 @@ Protocol (the order every caller follows; vLLM kv_offload/abstract.py names the 
 
     lookup(block_hashes, pin=?)   -> LookupResult     longest cached prefix; no side effects
                                                       beyond an optional pin (a Lease)
-    prefetch(block_hashes)        -> PrefetchHandle   pins the hit prefix and starts moving it
+    prefetch(block_hashes, fingerprints=?)            checks each block's token fingerprint,
+                                  -> PrefetchHandle   pins the hit prefix and starts moving it
                                                       into the top pool (DISK reads on I/O
                                                       threads, CPU->GPU on a CUDA side stream)
     handle.wait() / load(...)     -> LoadResult       the prefix now in top.tensor[block_ids],
                                                       pinned; the caller gathers, then
                                                       releases the lease
-    prepare_store(block_hashes)   -> StoreHandle      top-pool slots for new blocks, pinned
-                                                      and invisible to lookups
+    prepare_store(block_hashes, fingerprints=?)       top-pool slots for new blocks (kept
+                                  -> StoreHandle      with their fingerprints), pinned and
+                                                      invisible to lookups
     (caller writes top.tensor[handle.block_ids])
     complete_store(handle, ok)                        publishes (or frees) them
     store(block_hashes, blocks) / store_with(block_hashes, write)   both store steps, chunked
+
+Verified hits: a block hash decides where to look, never alone what is served. Every tier
+keeps with each block the fingerprint of the tokens it was computed from
+(:func:`kvtier.hashing.block_keys_for`); a caller that knows the request's tokens (every
+connector) passes their fingerprints to ``prefetch``/``load`` and ``store``/``store_with``/
+``prepare_store``, and a block of other tokens (a hash collision, a forged or misplaced
+record) is a miss counted in ``stats.load_failures["token_mismatch"]``, never served, never
+an exception. Without fingerprints a store keeps ``NO_FINGERPRINT`` and a load checks nothing
+and reports what each block carries (``LoadResult.fingerprints``): the daemon's relay path.
 
 The work is done by the modules below this one (listed in :mod:`kvtier.store`); none
 reaches into another's private names. Tiers are named by where they live: a GPU pool exists
@@ -36,7 +47,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from kvtier.checks import check_block_hashes, check_namespace
+from kvtier.checks import check_block_hashes, check_fingerprints, check_namespace
 from kvtier.config import StoreConfig
 from kvtier.store.lookup import ChainLookup
 from kvtier.store.placement import Placement, make_pools
@@ -49,8 +60,8 @@ from kvtier.tiers.backend import RemoteBackend, make_remote
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.pool import BlockPool
 from kvtier.transfer.engine import TransferEngine
-from kvtier.transfer.handlers import DiskHandler, PoolCopyHandler, RemoteHandler, slot_runs
-from kvtier.types import BlockHash, KVSpec, Medium
+from kvtier.transfer.handlers import register_handlers, slot_runs
+from kvtier.types import BlockHash, Fingerprint, KVSpec, Medium
 
 
 class TieredStore:
@@ -180,45 +191,67 @@ class TieredStore:
         return LookupResult(len(media), media, lease)
 
     def prefetch(
-        self, block_hashes: Sequence[BlockHash], request_id: str | None = None, count: bool = True
+        self, block_hashes: Sequence[BlockHash], request_id: str | None = None, count: bool = True,
+        fingerprints: Sequence[Fingerprint] | None = None,
     ) -> PrefetchHandle:
         """Pin the cached prefix of ``block_hashes`` and start bringing it into the top pool
         (REMOTE blocks included: asked for first, outside the lock). Returns at once;
         ``handle.wait()`` gives the :class:`LoadResult`. Counted as a lookup exactly as
         :meth:`lookup` counts it; ``request_id``: see :meth:`lookup`; ``count=False``: not a
-        lookup (the daemon's get, whose lookup was counted already)."""
+        lookup (the daemon's get, whose lookup was counted already).
+
+        Args:
+            fingerprints: the request's token fingerprint of each block
+                (:func:`kvtier.hashing.block_keys_for`); the prefix ends at the first block
+                a tier holds with another (a miss counted as ``token_mismatch``). ``None``:
+                not checked (the daemon's relay, tests).
+
+        Raises:
+            ValueError: bad block hashes, or fingerprints that are not one 32-byte value per hash.
+        """
         _check_hashes(block_hashes)
+        fingerprints = check_fingerprints(fingerprints, len(block_hashes))
         media, _ = self._lookups.walk(block_hashes, request_id, count=count)
         with self.residency.lock:
             self._check_open()
             self._writes.reap()
-            return self._prefetcher.plan(block_hashes, media)
+            return self._prefetcher.plan(block_hashes, media, fingerprints)
 
-    def load(self, block_hashes: Sequence[BlockHash], request_id: str | None = None, count: bool = True) -> LoadResult:
-        """``prefetch(block_hashes).wait()``: the leading cached blocks in the top pool,
-        pinned. Shorter than asked when a block is missing, corrupt or finds no slot."""
-        return self.prefetch(block_hashes, request_id, count).wait()
+    def load(
+        self, block_hashes: Sequence[BlockHash], request_id: str | None = None, count: bool = True,
+        fingerprints: Sequence[Fingerprint] | None = None,
+    ) -> LoadResult:
+        """``prefetch(block_hashes, ..., fingerprints).wait()``: the leading cached blocks in
+        the top pool, pinned. Shorter than asked when a block is missing, corrupt, of other
+        tokens or finds no slot."""
+        return self.prefetch(block_hashes, request_id, count, fingerprints).wait()
 
     # -- stores ------------------------------------------------------------------------------
-    def prepare_store(self, block_hashes: Sequence[BlockHash]) -> StoreHandle:
+    def prepare_store(
+        self, block_hashes: Sequence[BlockHash], fingerprints: Sequence[Fingerprint] | None = None
+    ) -> StoreHandle:
         """Reserve top-pool slots for the blocks of ``block_hashes`` not stored yet (pinned,
-        invisible to lookups); write ``top.tensor[handle.block_ids]``, then
+        invisible to lookups), each kept with its token fingerprint (``fingerprints``;
+        default ``NO_FINGERPRINT``); write ``top.tensor[handle.block_ids]``, then
         :meth:`complete_store`. Stops at the first block that gets no slot (every candidate
         victim pinned) or that another request is writing: blocks after a gap could never be
         hit through the chain."""
         _check_hashes(block_hashes)
-        return self._stores.prepare(block_hashes)
+        return self._stores.prepare(block_hashes, check_fingerprints(fingerprints, len(block_hashes)))
 
     def complete_store(self, handle: StoreHandle, success: bool = True) -> None:
         """Publish the written blocks (or free their slots when ``success`` is False)."""
         self._stores.complete(handle, success)
 
-    def store(self, block_hashes: Sequence[BlockHash], blocks: torch.Tensor) -> int:
+    def store(
+        self, block_hashes: Sequence[BlockHash], blocks: torch.Tensor, fingerprints: Sequence[Fingerprint] | None = None
+    ) -> int:
         """Store ``blocks`` (``[len(block_hashes), *spec.block_shape]``, spec dtype, any
-        device) under ``block_hashes``. Returns the number of leading blocks now stored.
+        device) under ``block_hashes``, each with its token fingerprint (``fingerprints``;
+        default ``NO_FINGERPRINT``). Returns the number of leading blocks now stored.
 
         Raises:
-            ValueError: ``blocks`` has the wrong shape or dtype.
+            ValueError: ``blocks`` has the wrong shape or dtype; bad fingerprints.
         """
         self._check_block_tensor(blocks, len(block_hashes))
 
@@ -229,9 +262,12 @@ class TieredStore:
             for i0, b0, n in slot_runs(list(zip(indices, block_ids))):
                 top[b0 : b0 + n].copy_(blocks[i0 : i0 + n])  # synchronous: the caller may reuse `blocks`
 
-        return self.store_with(block_hashes, write)
+        return self.store_with(block_hashes, write, fingerprints)
 
-    def store_with(self, block_hashes: Sequence[BlockHash], write: Callable[[list[int], list[int]], None]) -> int:
+    def store_with(
+        self, block_hashes: Sequence[BlockHash], write: Callable[[list[int], list[int]], None],
+        fingerprints: Sequence[Fingerprint] | None = None,
+    ) -> int:
         """Store a request's blocks in chunks of at most half the top pool, so that a request
         larger than the top pool still goes through it (earlier chunks spill down, tail
         first) instead of being cut short.
@@ -240,13 +276,18 @@ class TieredStore:
             block_hashes: the request's full blocks, in order.
             write: ``write(indices, block_ids)`` copies request blocks ``indices`` into
                 ``top.tensor[block_ids]``; an exception frees the chunk's slots and propagates.
+            fingerprints: each block's token fingerprint (default ``NO_FINGERPRINT``).
 
         Returns:
             leading blocks of the request now stored.
+
+        Raises:
+            ValueError: bad block hashes or fingerprints.
         """
         _check_hashes(block_hashes)
+        fingerprints = check_fingerprints(fingerprints, len(block_hashes))
         t0 = time.perf_counter()
-        stored = self._stores.store_with(block_hashes, write)
+        stored = self._stores.store_with(block_hashes, write, fingerprints)
         self._observe("store", t0)
         return stored
 
@@ -361,30 +402,6 @@ class TieredStore:
             raise ValueError(f"expected blocks of shape {expected}, got {got}")
         if blocks.dtype != self.spec.dtype:
             raise ValueError(f"expected blocks of dtype {self.spec.dtype}, got {blocks.dtype}")
-
-
-def register_handlers(
-    engine: TransferEngine, pools: list[BlockPool], disk: DiskTier | None, remote: RemoteBackend | None,
-    namespace: bytes, executor: ThreadPoolExecutor,
-) -> TransferEngine:
-    """Register a handler for every (source, destination) medium pair a store uses."""
-    for upper, lower in zip(pools, pools[1:]):
-        # loads record one event per layer, so layer i can be used before layer i+1 lands
-        engine.register(lower.medium, upper.medium, PoolCopyHandler(lower, upper, per_layer=True))
-        engine.register(upper.medium, lower.medium, PoolCopyHandler(upper, lower))
-    host_pools = [p for p in pools if p.tensor.device.type == "cpu"]
-    if disk is not None:
-        for pool in host_pools:
-            handler = DiskHandler(disk, pool, namespace, executor)
-            engine.register(Medium.DISK, pool.medium, handler)
-            engine.register(pool.medium, Medium.DISK, handler)
-    if remote is not None:
-        for pool in pools:
-            handler = RemoteHandler(remote, pool, namespace, executor)
-            engine.register(pool.medium, Medium.REMOTE, handler)
-            if pool in host_pools:
-                engine.register(Medium.REMOTE, pool.medium, handler)
-    return engine
 
 
 def _check_hashes(block_hashes: Sequence[BlockHash]) -> None:

@@ -71,3 +71,31 @@ def test_rope_change_under_one_explicit_revision_misses_and_matches_cold(config)
         assert warm == greedy(again, ids)[0]
     finally:
         conn.close()
+
+
+def test_a_block_hash_collision_never_serves_another_prompts_kv(monkeypatch, config):
+    """Issue 11, item 5: a hit was decided by the block hash alone. With a weak hash against
+    an adversary (simulated: a block hash that ignores the tokens, so every prompt of one
+    length collides), the second prompt must get no K/V of the first: the blocks' token
+    fingerprints differ, the hit is a miss counted ``token_mismatch``, the output is cold's."""
+    import kvtier.hashing as hashing
+
+    real = hashing._digest
+    domain = len(hashing._BLOCK_DOMAIN)
+    monkeypatch.setattr(hashing, "_digest", lambda name, data: real(name, data[: domain + 1 + data[domain]]))
+    model = tiny_llama()
+    first = torch.randint(3, 256, (1, 50), generator=torch.Generator().manual_seed(2))
+    second = torch.randint(3, 256, (1, 50), generator=torch.Generator().manual_seed(3))
+    conn = HFConnector.from_model(model, config, model_id="llama", model_revision="v1")
+    try:
+        assert conn.block_hashes(first[0]) == conn.block_hashes(second[0])  # the collision
+        greedy(model, first, conn)
+        warm, plan = greedy(model, second, conn)
+        assert plan.num_cached_tokens == 0
+        assert warm == greedy(model, second)[0]
+        assert conn.store.stats.load_failures["token_mismatch"] == 1
+        # the first prompt still hits its own blocks
+        again, plan = greedy(model, first, conn)
+        assert plan.num_cached_tokens == 48 and again == greedy(model, first)[0]
+    finally:
+        conn.close()

@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 from kvtier.app.cli import main
-from kvtier.records import encode_header
+from kvtier.records import HEADER_NBYTES, encode_header
 from kvtier.server.app import REGISTRY, SETTINGS
 from kvtier.server.registry import SPEC_FILE
 from kvtier.server.settings import ServeConfig
@@ -189,8 +189,8 @@ async def test_a_put_frame_with_a_bad_checksum_is_not_stored(make_api):
     await register(client)
     hs, blocks = hashes(3), random_blocks(SPEC, 3, seed=6)
     body = bytearray(frames(NAMESPACE, hs, blocks))
-    frame_nbytes = 1 + 32 + 96 + SPEC.block_nbytes
-    body[frame_nbytes + 1 + 32 + 96 + 7] ^= 0x10  # one payload bit of frame 1
+    frame_nbytes = 1 + 32 + HEADER_NBYTES + SPEC.block_nbytes
+    body[frame_nbytes + 1 + 32 + HEADER_NBYTES + 7] ^= 0x10  # one payload bit of frame 1
     response = await client.post(ns_url(NAMESPACE, "put"), data=bytes(body))
     assert msgpack.unpackb(await response.read())["stored"] == [True, False, True]
     assert (await lookup(client, hs))["num_blocks"] == 1
@@ -298,7 +298,7 @@ BAD_INPUTS = [
     ("register: bools", "PUT", ns_url(b"\x05" * 32), pack({"block_shape": [True, 2, 4, 1, 8], "dtype": "float32"}), 400),
     ("register: not msgpack", "PUT", ns_url(b"\x05" * 32), b"{json: 1}", 400),
     ("put: hash length 5", "POST", ns_url(NAMESPACE, "put"), b"\x05abcde" + bytes(100), 400),
-    ("put: garbage header", "POST", ns_url(NAMESPACE, "put"), _frame(header=b"\x01" * 96) + END, 400),
+    ("put: garbage header", "POST", ns_url(NAMESPACE, "put"), _frame(header=b"\x01" * HEADER_NBYTES) + END, 400),
     ("put: other namespace in the record", "POST", ns_url(NAMESPACE, "put"), _frame(namespace=b"\x02" * 32) + END, 400),
     ("put: wrong dtype", "POST", ns_url(NAMESPACE, "put"),
      _frame(block=torch.zeros(SPEC.block_shape, dtype=torch.float16), body=bytes(256)) + END, 400),

@@ -303,3 +303,20 @@ def test_a_retry_with_a_longer_vllm_hit_replaces_the_match(make_engine) -> None:
     assert engine.scheduler.get_num_new_matched_tokens(request, 2 * BLOCK) == (2 * BLOCK, False)
     assert [engine.store.ref_cnt(h) for h in chain] == [0, 0, 1, 1]
     assert engine.worker.counters.matches == matches + 2
+
+
+def test_a_hash_collision_is_never_loaded_into_vllms_cache(make_engine, monkeypatch) -> None:
+    """Issue 11, item 5: with a block hash that collides (simulated: it ignores the tokens),
+    the worker's store refuses blocks whose token fingerprint is not the request's, so the
+    scheduler is told 0 tokens and nothing of the first prompt reaches vLLM's cache."""
+    import kvtier.hashing as hashing
+
+    real = hashing._digest
+    domain = len(hashing._BLOCK_DOMAIN)
+    monkeypatch.setattr(hashing, "_digest", lambda name, data: real(name, data[: domain + 1 + data[domain]]))
+    first, second = prompt(3 * BLOCK + 5, seed=1), prompt(3 * BLOCK + 5, seed=2)
+    engine = stored_engine(make_engine, first, [0, 1, 2, 3])
+    request = make_request("r-other", second)
+    assert engine.admit(request, [5, 6, 7, 8]) == 0
+    assert engine.store.stats.load_failures["token_mismatch"] == 1
+    assert engine.admit(make_request("r-same", first), [9, 10, 11, 12]) == 3 * BLOCK  # its own tokens hit

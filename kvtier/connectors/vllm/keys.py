@@ -13,6 +13,9 @@ hashes, the worker's store checks every DISK/REMOTE record against its namespace
 - ``block_hash[i]`` chains over the request's tokens from that root
   (:func:`kvtier.hashing.hash_block_tokens`), so hashes are the same in every process and
   after restarts, and a restarted engine or another replica on the same DISK/REMOTE tier hits.
+  Beside it, the block's token fingerprint chains from the same root
+  (:func:`kvtier.hashing.key_block_tokens`): the store keeps it with the block and serves a
+  block only to a request whose tokens give the same fingerprint.
 
 No vLLM import here: the functions take the config objects and read plain attributes.
 """
@@ -27,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.hashing import KeyContext, hash_block_tokens
+from kvtier.hashing import KeyContext, key_block_tokens
 from kvtier.model_keys import kv_config_bytes, kv_config_fields
-from kvtier.types import BlockHash
+from kvtier.types import BlockHash, Fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -171,19 +174,22 @@ def request_key_fields(request: Any) -> tuple[str | None, str | None, str | None
 
 @dataclass
 class HashChain:
-    """The block hashes of one request on one TP rank, extended as its tokens grow.
+    """The block hashes and token fingerprints of one request on one TP rank, extended as
+    its tokens grow.
 
     Attributes:
-        root: the request's chain root (a namespace digest).
+        root: the request's chain root (a namespace digest; also the fingerprints' root).
         block_size: tokens per block.
         hash_name: ``"sha256"`` or ``"xxh3_128"``.
         hashes: ``block_hash[0..n)`` computed so far.
+        fingerprints: the blocks' token fingerprints, ``[n]``.
     """
 
     root: bytes
     block_size: int
     hash_name: str = "sha256"
     hashes: list[BlockHash] = field(default_factory=list)
+    fingerprints: list[Fingerprint] = field(default_factory=list)
 
     def upto(self, token_ids: Sequence[int], num_blocks: int) -> list[BlockHash]:
         """Hashes of blocks ``0..num_blocks`` of ``token_ids`` (which must hold at least
@@ -192,13 +198,21 @@ class HashChain:
         Raises:
             ValueError: ``token_ids`` is shorter than ``num_blocks`` full blocks.
         """
+        return self.keys_upto(token_ids, num_blocks)[0]
+
+    def keys_upto(self, token_ids: Sequence[int], num_blocks: int) -> tuple[list[BlockHash], list[Fingerprint]]:
+        """Hashes and token fingerprints of blocks ``0..num_blocks`` (see :meth:`upto`)."""
         if num_blocks * self.block_size > len(token_ids):
             raise ValueError(f"expected >= {num_blocks * self.block_size} tokens, got {len(token_ids)}")
         bs = self.block_size
         for i in range(len(self.hashes), num_blocks):
-            parent = self.hashes[-1] if self.hashes else self.root
-            self.hashes.append(hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], b"", self.hash_name))
-        return self.hashes[:num_blocks]
+            parent, parent_fp = (self.hashes[-1], self.fingerprints[-1]) if self.hashes else (self.root, self.root)
+            block_hash, fingerprint = key_block_tokens(
+                parent, parent_fp, token_ids[i * bs : (i + 1) * bs], b"", self.hash_name
+            )
+            self.hashes.append(block_hash)
+            self.fingerprints.append(fingerprint)
+        return self.hashes[:num_blocks], self.fingerprints[:num_blocks]
 
 
 def request_chains(engine_key: EngineKey, request: Any) -> list[HashChain]:
