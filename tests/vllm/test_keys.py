@@ -143,3 +143,40 @@ def test_kv_config_is_read_after_hf_overrides(tmp_path) -> None:
     assert key() == plain
     assert key(rope_parameters={"rope_type": "default", "rope_theta": 50000.0}) != plain
     assert key(max_position_embeddings=8192) != plain
+
+
+def image(identifier, offset, length, modality="image"):
+    return SimpleNamespace(identifier=identifier, modality=modality,
+                           mm_position=SimpleNamespace(offset=offset, length=length))
+
+
+def mm_request(*features, tokens=TOKENS):
+    return SimpleNamespace(request_id="r", all_token_ids=tokens, cache_salt=None, lora_request=None,
+                           mm_features=list(features))
+
+
+def test_media_are_keyed_into_the_blocks_their_placeholders_fall_in() -> None:
+    """Issue 11, item 3: the same token ids with another image are other blocks from the
+    image's first block on; the blocks before it are shared."""
+    def hashes(req):
+        return request_chains(KEY, req)[0].upto(TOKENS, 5)
+
+    plain, cat, dog = hashes(request()), hashes(mm_request(image("cat", 6, 5))), hashes(mm_request(image("dog", 6, 5)))
+    assert plain[0] == cat[0] == dog[0]  # block 0 (tokens 0-3) holds no placeholder
+    assert all(a != b for a, b in zip(cat[1:], dog[1:])) and all(a != b for a, b in zip(cat[1:], plain[1:]))
+    assert hashes(mm_request(image("cat", 6, 5))) == cat  # the same image: the same blocks
+    assert hashes(mm_request(image("cat", 7, 5)))[1] != cat[1]  # the same image elsewhere
+    assert hashes(mm_request(image("cat", 6, 5, modality="audio")))[1] != cat[1]
+    fps = [request_chains(KEY, mm_request(image(i, 6, 5)))[0].keys_upto(TOKENS, 5)[1] for i in ("cat", "dog")]
+    assert fps[0][0] == fps[1][0] and fps[0][1] != fps[1][1]  # the fingerprints carry the image too
+
+
+def test_media_that_cannot_be_keyed_make_the_request_uncacheable() -> None:
+    from kvtier.connectors.vllm.keys import request_media
+
+    assert request_media(request()) == []
+    assert request_media(mm_request(image("b", 10, 2), image("a", 2, 3)))[0].start == 2  # sorted
+    assert request_media(mm_request(image(None, 2, 3))) is None  # no identifier
+    assert request_media(mm_request(image("a", 2, 3), image("b", 4, 3))) is None  # overlapping
+    assert request_media(mm_request(image("a", 20, 8))) is None  # past the prompt
+    assert request_media(mm_request(SimpleNamespace(identifier="a", modality="image", mm_position=None))) is None

@@ -16,6 +16,12 @@ hashes, the worker's store checks every DISK/REMOTE record against its namespace
   Beside it, the block's token fingerprint chains from the same root
   (:func:`kvtier.hashing.key_block_tokens`): the store keeps it with the block and serves a
   block only to a request whose tokens give the same fingerprint.
+- Media (images): every block holding placeholder tokens of an item gets the item's vLLM
+  identifier (its ``mm_hash``, LoRA-prefixed when vLLM says so) and offset as extra keys
+  (:mod:`kvtier.media`, :func:`request_media`), so the same token ids with another image miss.
+  vLLM embeds an item whose placeholders start before ``num_computed_tokens`` from its encoder
+  cache, so a hit may end inside an image. A request with an item vLLM gave no identifier is
+  not cached.
 
 No vLLM import here: the functions take the config objects and read plain attributes.
 """
@@ -31,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.hashing import KeyContext, key_block_tokens
+from kvtier.media import MediaItem, block_extra_keys, check_items
 from kvtier.model_keys import kv_config_bytes, kv_config_fields
 from kvtier.types import BlockHash, Fingerprint
 
@@ -172,6 +179,27 @@ def request_key_fields(request: Any) -> tuple[str | None, str | None, str | None
     return lora_name, lora_version, (str(salt) if salt is not None else None)
 
 
+def request_media(request: Any) -> list[MediaItem] | None:
+    """The media items of a vLLM ``Request`` (0.32: ``request.mm_features``, one
+    ``MultiModalFeatureSpec`` per item: ``identifier``, ``modality``, ``mm_position.offset``
+    and ``.length``), sorted; ``None`` when one cannot be keyed (no identifier, no position,
+    overlapping or outside the prompt): such a request is not cached."""
+    items = []
+    for feature in getattr(request, "mm_features", None) or []:
+        identifier, position = getattr(feature, "identifier", None), getattr(feature, "mm_position", None)
+        if not identifier or position is None:
+            return None
+        key = f"{getattr(feature, 'modality', '')}:{identifier}".encode()
+        try:
+            items.append(MediaItem(int(position.offset), int(position.length), key))
+        except (TypeError, ValueError):
+            return None
+    try:
+        return check_items(items, len(request.all_token_ids) if items else 0)
+    except ValueError:
+        return None
+
+
 @dataclass
 class HashChain:
     """The block hashes and token fingerprints of one request on one TP rank, extended as
@@ -181,6 +209,7 @@ class HashChain:
         root: the request's chain root (a namespace digest; also the fingerprints' root).
         block_size: tokens per block.
         hash_name: ``"sha256"`` or ``"xxh3_128"``.
+        media: the request's media items (:func:`request_media`), keyed into their blocks.
         hashes: ``block_hash[0..n)`` computed so far.
         fingerprints: the blocks' token fingerprints, ``[n]``.
     """
@@ -188,6 +217,7 @@ class HashChain:
     root: bytes
     block_size: int
     hash_name: str = "sha256"
+    media: tuple[MediaItem, ...] = ()
     hashes: list[BlockHash] = field(default_factory=list)
     fingerprints: list[Fingerprint] = field(default_factory=list)
 
@@ -204,11 +234,12 @@ class HashChain:
         """Hashes and token fingerprints of blocks ``0..num_blocks`` (see :meth:`upto`)."""
         if num_blocks * self.block_size > len(token_ids):
             raise ValueError(f"expected >= {num_blocks * self.block_size} tokens, got {len(token_ids)}")
-        bs = self.block_size
-        for i in range(len(self.hashes), num_blocks):
+        bs, done = self.block_size, len(self.hashes)
+        extras = block_extra_keys(self.media, num_blocks, bs, done) if self.media else [b""] * (num_blocks - done)
+        for i, extra in zip(range(done, num_blocks), extras):
             parent, parent_fp = (self.hashes[-1], self.fingerprints[-1]) if self.hashes else (self.root, self.root)
             block_hash, fingerprint = key_block_tokens(
-                parent, parent_fp, token_ids[i * bs : (i + 1) * bs], b"", self.hash_name
+                parent, parent_fp, token_ids[i * bs : (i + 1) * bs], extra, self.hash_name
             )
             self.hashes.append(block_hash)
             self.fingerprints.append(fingerprint)
@@ -216,13 +247,16 @@ class HashChain:
 
 
 def request_chains(engine_key: EngineKey, request: Any) -> list[HashChain]:
-    """One :class:`HashChain` per TP rank for ``request`` (rank ``r`` at index ``r``)."""
+    """One :class:`HashChain` per TP rank for ``request`` (rank ``r`` at index ``r``), with
+    its media items (none when it has none or they cannot be keyed: see :func:`request_media`)."""
     lora_name, lora_version, salt = request_key_fields(request)
+    media = tuple(request_media(request) or ())
     return [
         HashChain(
             engine_key.context(rank, lora_name, lora_version, salt).namespace(),
             engine_key.block_size,
             engine_key.hash_name,
+            media,
         )
         for rank in range(engine_key.tp_size)
     ]

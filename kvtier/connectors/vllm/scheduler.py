@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.connectors.vllm.keys import EngineKey, HashChain, request_chains
+from kvtier.connectors.vllm.keys import EngineKey, HashChain, request_chains, request_media
 from kvtier.connectors.vllm.lookup import LookupClient
 from kvtier.connectors.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
 
@@ -57,8 +57,9 @@ class _RequestState:
 
 
 def cacheable(request: Any) -> bool:
-    """Token-only requests; multimodal inputs and prompt embeddings are not keyed yet."""
-    return not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
+    """Requests whose every input is keyed: token ids, and media items with a vLLM identifier
+    (:func:`~kvtier.connectors.vllm.keys.request_media`); prompt embeddings are not keyed."""
+    return getattr(request, "prompt_embeds", None) is None and request_media(request) is not None
 
 
 class SchedulerSide:
