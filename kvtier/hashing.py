@@ -63,7 +63,8 @@ class KeyContext:
         model_id: model name or path as the user gave it, e.g. ``HuggingFaceTB/SmolLM2-135M``.
         model_revision: weights digest or revision; two checkpoints of one model differ here.
         dtype: canonical K/V dtype name (``kvtier.types.dtype_name``).
-        kv_layout: block layout name (``kvtier.types.KV_LAYOUT``).
+        kv_layout: block layout name (``KVSpec.layout_name``: ``kvtier.types.KV_LAYOUT`` for
+            full attention, the layer groups otherwise).
         block_size: tokens per block.
         tp_rank, tp_size: tensor-parallel rank and world size (each rank keeps its heads).
         lora_name, lora_version: LoRA adapter applied, if any.

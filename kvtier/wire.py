@@ -20,7 +20,11 @@ blocks, each verified (namespace, block shape and dtype, checksum) before it is 
 
 A KVSpec is ``{"block_shape": [num_layers, 2, block_size, num_kv_heads, head_dim], "dtype":
 name}`` everywhere: the daemon's register body and replies, its ``<ns>/spec.msgpack`` files,
-Redis's ``kvtier:<ns>:spec`` key (:func:`pack_spec` / :func:`unpack_spec`).
+Redis's ``kvtier:<ns>:spec`` key (:func:`pack_spec` / :func:`unpack_spec`). A spec with layer
+groups (kvtier.types.LayerGroup: sliding windows, MLA, ...) adds ``"block_size"`` and
+``"groups": [{"kind", "layers", "num_kv_heads", "k_head_dim", "v_head_dim", "window"}, ...]``,
+and its ``block_shape`` is the spec's (``[block_numel]`` for a flat layout); an all-full spec
+is encoded exactly as before, so older clients and daemons still agree on it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import msgpack
 import torch
 
 from kvtier.records import HEADER_NBYTES
-from kvtier.types import DTYPE_NAMES, DTYPES_BY_NAME, KVSpec
+from kvtier.types import DTYPE_NAMES, DTYPES_BY_NAME, KVSpec, LayerGroup, positive_int
 
 MSGPACK = "application/msgpack"
 FRAMES = "application/x-kvtier-frames"
@@ -56,8 +60,12 @@ def unpack_map(body: bytes, what: str) -> dict:
 
 # -- KVSpec ------------------------------------------------------------------------------------
 def spec_to_wire(spec: KVSpec) -> dict:
-    """``{"block_shape": [num_layers, 2, block_size, num_kv_heads, head_dim], "dtype": name}``."""
-    return {"block_shape": list(spec.block_shape), "dtype": DTYPE_NAMES[spec.dtype]}
+    """``{"block_shape": [num_layers, 2, block_size, num_kv_heads, head_dim], "dtype": name}``,
+    plus ``"block_size"`` and ``"groups"`` for a spec with layer groups."""
+    wire: dict = {"block_shape": list(spec.block_shape), "dtype": DTYPE_NAMES[spec.dtype]}
+    if spec.groups:
+        wire.update(block_size=spec.block_size, groups=groups_to_wire(spec))
+    return wire
 
 
 def spec_from_wire(obj: Any) -> KVSpec:
@@ -67,6 +75,11 @@ def spec_from_wire(obj: Any) -> KVSpec:
     shape, dtype = obj.get("block_shape"), obj.get("dtype")
     if not isinstance(dtype, str) or dtype not in DTYPES_BY_NAME:
         raise ValueError(f"expected dtype in {sorted(DTYPES_BY_NAME)}, got {dtype!r}")
+    if "groups" in obj:
+        spec = spec_from_groups_wire(obj["groups"], obj.get("block_size"), DTYPES_BY_NAME[dtype])
+        if shape != list(spec.block_shape):
+            raise ValueError(f"expected block_shape {list(spec.block_shape)} for these groups, got {shape!r}")
+        return spec
     if (
         not isinstance(shape, list)
         or len(shape) != 5
@@ -78,6 +91,47 @@ def spec_from_wire(obj: Any) -> KVSpec:
         )
     num_layers, _, block_size, num_kv_heads, head_dim = shape
     return KVSpec(num_layers, num_kv_heads, head_dim, block_size, DTYPES_BY_NAME[dtype])
+
+
+_GROUP_KEYS = ("kind", "layers", "num_kv_heads", "k_head_dim", "v_head_dim", "window")
+_MAX_WIRE_GROUPS = 256
+_MAX_WIRE_LAYERS = 1 << 12
+
+
+def groups_to_wire(spec: KVSpec) -> list[dict]:
+    """``spec.groups`` as plain maps (msgpack/JSON): ``[{"kind", "layers", "num_kv_heads",
+    "k_head_dim", "v_head_dim", "window"}, ...]``; ``[]`` for a full-attention spec."""
+    return [{key: list(g.layers) if key == "layers" else getattr(g, key) for key in _GROUP_KEYS} for g in spec.groups]
+
+
+def spec_from_groups_wire(obj: object, block_size: object, dtype: torch.dtype) -> KVSpec:
+    """Inverse of :func:`groups_to_wire` (with the spec's block_size and dtype), parsed
+    strictly: a list of at most 256 maps with exactly the keys above, ints in range, at most
+    4096 layers in all.
+
+    Raises:
+        ValueError: anything else, saying what is wrong.
+    """
+    if not isinstance(obj, list) or not obj or len(obj) > _MAX_WIRE_GROUPS:
+        got = f"a list of {len(obj)}" if isinstance(obj, list) else type(obj).__name__
+        raise ValueError(f"expected groups as a list of 1..{_MAX_WIRE_GROUPS} maps, got {got}")
+    positive_int("block_size", block_size)
+    groups, num_layers = [], 0
+    for item in obj:
+        if not isinstance(item, dict) or set(item) != set(_GROUP_KEYS):
+            got = sorted(item) if isinstance(item, dict) else type(item).__name__
+            raise ValueError(f"expected a group map with keys {sorted(_GROUP_KEYS)}, got {got}")
+        layers = item["layers"]
+        num_layers += len(layers) if isinstance(layers, list) else 0
+        if not isinstance(layers, list) or num_layers > _MAX_WIRE_LAYERS:
+            raise ValueError(f"expected layers as lists of at most {_MAX_WIRE_LAYERS} ints in all, got {layers!r:.80}")
+        for key in ("num_kv_heads", "k_head_dim", "v_head_dim", "window"):
+            value = item[key]
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value >= 1 << 31):
+                raise ValueError(f"expected {key} as an int below 2**31, got {value!r}")
+        groups.append(LayerGroup(item["kind"], tuple(layers), item["num_kv_heads"], item["k_head_dim"],
+                                 item["v_head_dim"], item["window"]))
+    return KVSpec.from_groups(groups, block_size, dtype)  # type: ignore[arg-type]
 
 
 def pack_spec(spec: KVSpec) -> bytes:
@@ -95,7 +149,8 @@ def unpack_spec(data: bytes) -> KVSpec:
 
 
 def describe(spec: KVSpec) -> str:
-    return f"block_shape {list(spec.block_shape)} {DTYPE_NAMES[spec.dtype]}"
+    layout = f" {spec.layout_name}" if spec.groups else ""
+    return f"block_shape {list(spec.block_shape)} {DTYPE_NAMES[spec.dtype]}{layout}"
 
 
 # -- frames ------------------------------------------------------------------------------------

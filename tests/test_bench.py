@@ -73,3 +73,19 @@ def test_tiers_bench_writes_rows_with_same_run_baselines(tmp_path):
         assert row["baseline"] is not None and row["baseline"] > 0  # every tier row has one here
         assert math.isclose(row["ratio"], row["value"] / row["baseline"], rel_tol=1e-9)
     assert [p.name for p in tmp_path.iterdir()] == [out.name]  # the bench removed its temp dir
+
+
+def test_kv_bytes_rows_follow_from_the_layout(tmp_path):
+    """Gemma-3-27B: 62 layers (every 6th full), 16 K/V heads of 128, window 1024, bfloat16."""
+    from bench.kv_bytes import rows_for
+
+    rows = {row.metric: row for row in rows_for(16)}
+    per_layer = 2 * 16 * 128 * 2  # bytes per token and layer: K and V
+    every = rows["Gemma-3-27B (5:1, window 1024): kvtier, every position"]
+    assert every.value * 1024 == 62 * per_layer
+    windowed = rows["Gemma-3-27B (5:1, window 1024) @32k: window-only"]
+    sliding_tokens = (1023 // 16 + 1 + 1) * 16  # blocks covering the last 1024 positions
+    expected = (10 * per_layer * 32768 + 52 * per_layer * sliding_tokens) / 32768
+    assert windowed.value * 1024 == pytest.approx(expected)
+    assert windowed.baseline == every.value and windowed.ratio == pytest.approx(expected / (62 * per_layer))
+    assert rows["Mistral-7B-v0.1 (sliding 4096) @4k: window-only"].ratio == 1.0  # the window holds the whole cut

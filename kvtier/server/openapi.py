@@ -22,6 +22,16 @@ _FRAMES_DOC = (
 )
 
 
+
+_GROUP_FIELDS = {
+    "kind": {"type": "string", "enum": ["full", "sliding", "chunked", "mla"]},
+    "layers": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+    "num_kv_heads": {"type": "integer", "minimum": 1},
+    "k_head_dim": {"type": "integer", "minimum": 1},
+    "v_head_dim": {"type": "integer", "minimum": 1},
+    "window": {"type": ["integer", "null"], "minimum": 1, "description": "sliding window or chunk, tokens"},
+}
+
 def _error(description: str) -> dict:
     return {
         "description": description,
@@ -65,10 +75,14 @@ def _core(settings: "ServeConfig") -> dict:
         "block_hashes": {"type": "array", "items": block_hash, "maxItems": max_blocks},
     }}
     spec = {"type": "object", "required": ["block_shape", "dtype"], "properties": {
-        "block_shape": {"type": "array", "minItems": 5, "maxItems": 5,
+        "block_shape": {"type": "array", "minItems": 1, "maxItems": 5,
                         "items": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1},
-                        "description": "[num_layers, 2, block_size, num_kv_heads, head_dim]"},
+                        "description": "[num_layers, 2, block_size, num_kv_heads, head_dim]; with groups, "
+                                       "the spec's own ([block_numel] for a flat layout)"},
         "dtype": {"type": "string", "enum": sorted(DTYPES_BY_NAME)},
+        "block_size": {"type": "integer", "minimum": 1, "description": "tokens per block (with groups)"},
+        "groups": {"type": "array", "minItems": 1, "description": "layer groups (kvtier.types.LayerGroup)",
+                   "items": {"type": "object", "required": list(_GROUP_FIELDS), "properties": _GROUP_FIELDS}},
     }}
     described = {"type": "object", "properties": {
         **spec["properties"], "namespace": {"type": "string"}, "max_batch_blocks": {"type": "integer"},

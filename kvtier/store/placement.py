@@ -53,6 +53,9 @@ class Placement:
         self.wait_for_writes: Callable[[], bool] = lambda: False
         """Set by the store: wait for background writes (whose pins may stand in the way of
         an eviction) and return whether there were any."""
+        self.disk_in_flight_bytes = 0
+        """Footprints of background DISK writes submitted but not yet reaped
+        (kvtier.store.writes): room they will take, so no other write may count on it."""
 
     # -- where blocks are --------------------------------------------------------------------
     @property
@@ -143,10 +146,20 @@ class Placement:
 
     def disk_room(self, num_blocks: int) -> list[BlockHash] | None:
         """DISK victims whose eviction makes room for ``num_blocks`` more records, or
-        ``None`` when not even evicting everything unpinned would do."""
+        ``None`` when not even evicting everything unpinned would do. Room that background
+        writes in flight will take is not free: when it stands in the way, those writes are
+        waited for first (else two writes sized against the same free bytes, and the second
+        fails "full" after its blocks were reported stored)."""
+        assert self.disk is not None
+        room = self._disk_room(num_blocks)
+        if room is None and self.disk_in_flight_bytes and self.wait_for_writes():
+            room = self._disk_room(num_blocks)  # the writes in flight are reaped: evictable now
+        return room
+
+    def _disk_room(self, num_blocks: int) -> list[BlockHash] | None:
         assert self.disk is not None
         size = self.disk.footprint(self.spec.block_nbytes)
-        need, free = size * num_blocks, self.disk.free_bytes
+        need, free = size * num_blocks, self.disk.free_bytes - self.disk_in_flight_bytes
         victims: list[BlockHash] = []
         for h in self.disk.lru_order():
             if free >= need:

@@ -33,7 +33,8 @@ class BackgroundWrites:
     ) -> None:
         self._placement, self._residency, self._stats, self._remote = placement, residency, stats, remote
         self.engine = engine
-        self._jobs: dict[int, tuple[Medium, Lease]] = {}  # job id -> (destination, pins on its sources)
+        # job id -> (destination, pins on its sources, DISK footprint it will take)
+        self._jobs: dict[int, tuple[Medium, Lease, int]] = {}
 
     def __bool__(self) -> bool:
         """Whether any write is in flight or not yet reaped."""
@@ -42,6 +43,7 @@ class BackgroundWrites:
     def after_fork_in_child(self, engine: TransferEngine) -> None:
         """The parent's jobs do not exist in a forked child; its pins stay (never released)."""
         self._jobs.clear()
+        self._placement.disk_in_flight_bytes = 0
         self.engine = engine
 
     def write_through(self, block_hashes: list[BlockHash]) -> None:
@@ -63,7 +65,9 @@ class BackgroundWrites:
         # deleted them later could evict a block pinned in between (guarantee 4).
         placement.evict_from_disk(victims)
         job = TransferJob(host.medium, Medium.DISK, todo, src_ids=[host.block_id(h) for h in todo])
-        self._jobs[self.engine.submit(job)] = (Medium.DISK, lease)
+        footprint = disk.footprint(placement.spec.block_nbytes) * len(todo)
+        placement.disk_in_flight_bytes += footprint
+        self._jobs[self.engine.submit(job)] = (Medium.DISK, lease, footprint)
 
     def put_remote(self, block_hashes: list[BlockHash]) -> None:
         """Send newly stored blocks to the REMOTE tier (so that other processes hit them at
@@ -74,7 +78,7 @@ class BackgroundWrites:
             return
         lease = self._residency.lease(todo)
         job = TransferJob(top.medium, Medium.REMOTE, todo, src_ids=[top.block_id(h) for h in todo])
-        self._jobs[self.engine.submit(job)] = (Medium.REMOTE, lease)
+        self._jobs[self.engine.submit(job)] = (Medium.REMOTE, lease, 0)
 
     def reap(self, wait: bool = False) -> bool:
         """Consume finished jobs (``wait``: every job, waiting for it), release their pins,
@@ -84,8 +88,9 @@ class BackgroundWrites:
         ids = list(self._jobs)
         results = self.engine.wait(ids).values() if wait else self.engine.poll(ids)
         for result in results:
-            medium, lease = self._jobs.pop(result.job_id)
+            medium, lease, footprint = self._jobs.pop(result.job_id)
             lease.release()
+            self._placement.disk_in_flight_bytes -= footprint
             if medium is Medium.REMOTE:
                 self._stats.stored_blocks[Medium.REMOTE] += sum(result.ok)
             else:

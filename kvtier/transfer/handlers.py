@@ -95,9 +95,10 @@ class PoolCopyHandler(TransferHandler):
             if self.per_layer:
                 # One block's layer is one contiguous slab: a strided multi-block slice would
                 # make copy_ stage it through pageable memory (a blocking copy).
-                for layer in range(self.src.spec.num_layers):
+                for start, stop in self.src.spec.layer_ranges():
                     for s, d in pairs:
-                        self.dst.tensor[d, layer].copy_(self.src.tensor[s, layer], non_blocking=True)
+                        dst, src = self.dst.tensor[d].view(-1), self.src.tensor[s].view(-1)
+                        dst[start:stop].copy_(src[start:stop], non_blocking=True)
                     events.append(torch.cuda.Event())
                     events[-1].record(self.stream)
             else:

