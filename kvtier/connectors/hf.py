@@ -26,6 +26,13 @@ Both hooks pass the store the token fingerprint of every block (:func:`block_key
 block is stored with the tokens it was computed from, and a load serves only blocks whose
 tokens are the prompt's (a hash collision or a forged record is a miss).
 
+Images (vision-language models such as LLaVA): pass the processor outputs as ``media`` to
+``prefetch``/``before_prefill`` and ``after_request``. The blocks holding an image's
+placeholder tokens are keyed by the image's content (:mod:`kvtier.connectors.hf_media`), a
+hit never ends inside an image, and ``plan.generate_kwargs()`` holds the processor outputs
+of the images after the cached prefix only (pass it instead of them). Images that cannot be
+keyed make the prompt uncached (``generate_kwargs()`` then holds all of them).
+
 Batch size 1 (one request per call). Model families: those of
 :mod:`kvtier.connectors.hf_cache` (full, sliding-window, chunked and MLA attention; others are
 refused by ``from_model`` with :class:`UnsupportedModelError`). The cache ``before_prefill``
@@ -47,6 +54,7 @@ import torch
 from kvtier.config import StoreConfig
 from kvtier.hashing import KeyContext, block_hashes_for, block_keys_for
 from kvtier.model_keys import kv_config_bytes, kv_config_fields
+from kvtier.connectors.hf_media import PromptMedia, prompt_media
 from kvtier.connectors.hf_cache import (
     UnsupportedModelError,
     cache_kwarg,
@@ -104,6 +112,7 @@ class PrefetchTicket:
     fingerprints: list[bytes] = field(default_factory=list)
     """The prompt's token fingerprints: a ticket serves only a prompt of the same tokens (a
     prompt whose hashes collide with it gets a prefetch of its own)."""
+    media: PromptMedia | None = None
 
     def cancel(self) -> None:
         """Give the pins back (the request went away)."""
@@ -123,6 +132,8 @@ class PrefillPlan:
         block_hashes: hashes of the prompt's full blocks.
         sources: the medium each loaded block came from, ``[num_cached_tokens // block_size]``.
         cache_kwarg: ``"cache"`` or ``"past_key_values"`` (see :func:`cache_kwarg`).
+        media_inputs: the processor outputs the prefill of the rest of the prompt needs (the
+            images after the cached prefix: :meth:`PromptMedia.inputs_after`).
     """
 
     num_cached_tokens: int
@@ -130,9 +141,12 @@ class PrefillPlan:
     block_hashes: list[BlockHash]
     sources: list[Medium] = field(default_factory=list)
     cache_kwarg: str = "past_key_values"
+    media_inputs: dict[str, Any] = field(default_factory=dict)
 
     def generate_kwargs(self) -> dict[str, Any]:
-        return {self.cache_kwarg: self.cache}
+        """Keyword arguments for ``generate``/``forward`` beside ``input_ids``: the cache, and
+        the media inputs still to embed."""
+        return {self.cache_kwarg: self.cache, **self.media_inputs}
 
     def cached_tokens_by_medium(self, block_size: int) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -223,21 +237,33 @@ class HFConnector:
         tokens = _token_list(token_ids)
         return block_hashes_for(tokens, self.namespace, self.block_size, self.key_context.hash_name)
 
-    def block_keys(self, token_ids: Sequence[int] | torch.Tensor) -> tuple[list[BlockHash], list[bytes]]:
-        """Hashes and token fingerprints of the full blocks of ``token_ids`` (:func:`block_keys_for`)."""
-        return block_keys_for(_token_list(token_ids), self.namespace, self.block_size, self.key_context.hash_name)
+    def block_keys(
+        self, token_ids: Sequence[int] | torch.Tensor, media: PromptMedia | None = None
+    ) -> tuple[list[BlockHash], list[bytes]]:
+        """Hashes and token fingerprints of the full blocks of ``token_ids``
+        (:func:`block_keys_for`), the blocks holding an image of ``media`` keyed by it."""
+        tokens = _token_list(token_ids)
+        extra = media.extra_keys(len(tokens) // self.block_size, self.block_size) if media is not None else None
+        return block_keys_for(tokens, self.namespace, self.block_size, self.key_context.hash_name, extra)
 
-    def prefetch(self, input_ids: torch.Tensor | Sequence[int]) -> PrefetchTicket:
+    def prompt_media(self, media: Any, prompt_ids: list[int]) -> PromptMedia | None:
+        """The images of a prompt from its processor outputs (``None`` when none given)."""
+        return None if media is None else prompt_media(media, self.model.config, prompt_ids)
+
+    def prefetch(self, input_ids: torch.Tensor | Sequence[int], media: Any = None) -> PrefetchTicket:
         """Start loading the prompt's cached prefix now; pass the ticket to
         :meth:`before_prefill`. Raises ``ValueError`` like :meth:`before_prefill`."""
         tokens = _prompt_tokens(input_ids)
-        block_hashes, fingerprints = self.block_keys(tokens)
+        prompt_media = self.prompt_media(media, tokens)
+        block_hashes, fingerprints = self.block_keys(tokens, prompt_media)
         max_blocks = (len(tokens) - 1) // self.block_size  # leave >= 1 token to prefill
+        if prompt_media is not None:
+            max_blocks = prompt_media.cut(max_blocks, self.block_size)
         handle = self.store.prefetch(block_hashes[:max_blocks], fingerprints=fingerprints[:max_blocks])
-        return PrefetchTicket(block_hashes, handle, fingerprints=fingerprints)
+        return PrefetchTicket(block_hashes, handle, fingerprints=fingerprints, media=prompt_media)
 
     def before_prefill(
-        self, input_ids: torch.Tensor | Sequence[int], ticket: PrefetchTicket | None = None
+        self, input_ids: torch.Tensor | Sequence[int], ticket: PrefetchTicket | None = None, *, media: Any = None
     ) -> PrefillPlan:
         """Look up the prompt, load the hit prefix into a new ``DynamicCache``.
 
@@ -245,6 +271,8 @@ class HFConnector:
             input_ids: ``[1, prompt_len]`` or ``[prompt_len]`` token ids (int64).
             ticket: from :meth:`prefetch` for the same prompt (ignored and released if it
                 was for another prompt).
+            media: the processor outputs of a prompt with images (``pixel_values``, ...;
+                module docstring), ``None`` for text.
 
         Returns:
             a :class:`PrefillPlan`; ``plan.num_cached_tokens`` <= ``prompt_len - 1``.
@@ -253,11 +281,11 @@ class HFConnector:
             ValueError: batch size other than 1, an empty prompt.
         """
         tokens = _prompt_tokens(input_ids)
-        block_hashes, fingerprints = self.block_keys(tokens)
+        block_hashes, fingerprints = self.block_keys(tokens, self.prompt_media(media, tokens))
         if ticket is None or ticket.used or (ticket.block_hashes, ticket.fingerprints) != (block_hashes, fingerprints):
             if ticket is not None and not ticket.used:
                 ticket.cancel()  # for another prompt
-            ticket = self.prefetch(tokens)  # a ticket serves one prefill: its lease is gone after
+            ticket = self.prefetch(tokens, media)  # a ticket serves one prefill: its lease is gone after
         ticket.used = True
         with torch.no_grad():
             plan = self._load_into_cache(ticket, block_hashes)
@@ -278,20 +306,26 @@ class HFConnector:
                 values.append(v)
         loaded = handle.wait()  # a failed block ends the prefix: use only what arrived
         loaded.lease.release()  # the gathers are queued; later copies into these slots wait for them
-        num_cached = len(loaded.block_ids) * self.block_size
+        num_blocks, media = len(loaded.block_ids), ticket.media
+        if media is not None:
+            num_blocks = media.cut(num_blocks, self.block_size)  # never inside an image
+        num_cached = num_blocks * self.block_size
         cache = new_cache()
         if num_cached:
             device = self.model.device
             for layer, (k, v) in enumerate(zip(keys, values)):
                 k, v = k[:, :, :num_cached], v[:, :, :num_cached]
                 cache.update(k.to(device, non_blocking=True), v.to(device, non_blocking=True), layer)
-        return PrefillPlan(num_cached, cache, block_hashes, loaded.sources, self._cache_kwarg)
+        media_inputs = media.inputs_after(num_cached) if media is not None else {}
+        return PrefillPlan(num_cached, cache, block_hashes, loaded.sources[:num_blocks], self._cache_kwarg, media_inputs)
 
-    def after_request(self, token_ids: torch.Tensor | Sequence[int], cache: Any) -> int:
+    def after_request(self, token_ids: torch.Tensor | Sequence[int], cache: Any, *, media: Any = None) -> int:
         """Store the new full blocks of ``token_ids`` (prompt + output, ``[num_tokens]`` or
         ``[1, num_tokens]``) whose K/V ``cache`` holds. Returns the blocks now stored for the
         request (already present ones included). Never raises into the inference loop for
-        store pressure: a full store stores fewer blocks.
+        store pressure: a full store stores fewer blocks. ``media``: the prompt's processor
+        outputs, as given to :meth:`before_prefill`; a prompt whose images cannot be keyed is
+        not stored (0).
 
         A cache that does not match the spec (a layer that kept only its sliding window's
         tail, other shapes or dtype, another cache class) is never stored from: the first
@@ -309,7 +343,12 @@ class HFConnector:
         if self.store_disabled is not None:
             return 0
         num_tokens = min(len(tokens), keys[0].shape[-2]) if keys else 0
-        block_hashes, fingerprints = self.block_keys(tokens[:num_tokens])
+        prompt_ids = media.get("input_ids") if media is not None else None
+        prompt = tokens[: prompt_ids.shape[-1]] if isinstance(prompt_ids, torch.Tensor) else tokens
+        prompt_media = self.prompt_media(media, prompt)
+        if prompt_media is not None and not prompt_media.keyable:
+            return 0
+        block_hashes, fingerprints = self.block_keys(tokens[:num_tokens], prompt_media)
         if not block_hashes:
             return 0
         pool, spec = self.store.top.tensor, self.store.spec

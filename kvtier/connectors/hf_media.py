@@ -15,8 +15,7 @@ forward). So a hit never ends inside an image (:func:`kvtier.media.whole_items_p
 the suffix prefill gets the tensors of the images after the cached prefix only
 (:meth:`PromptMedia.inputs_after`).
 
-What cannot be keyed this way, and is then not cached (``prompt_media`` returns ``None`` and
-says why): a processor output that is neither per image nor ``input_ids``/``attention_mask``
+What cannot be keyed this way, and is then not cached (``PromptMedia.problem`` says why): a processor output that is neither per image nor ``input_ids``/``attention_mask``
 (per-token ``token_type_ids``, flattened patches with ``image_grid_thw``: Gemma 3, Qwen2-VL),
 image runs that do not pair one to one with the images (two adjacent images without a token
 between them), a batch of more than one prompt.
@@ -31,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kvtier.media import MediaItem, content_hash
+from kvtier.media import MediaItem, block_extra_keys, content_hash, whole_items_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +46,34 @@ class PromptMedia:
         items: one per image, in prompt order (placeholder run and content hash).
         per_image: processor outputs split per image, ``{name: [tensor of image i, ...]}``
             (each tensor keeps a leading dimension of 1).
+        raw: the processor outputs other than ``input_ids``/``attention_mask``, as given.
+        problem: why the images cannot be keyed (the prompt is then not cached), or ``None``.
     """
 
-    items: list[MediaItem]
+    items: list[MediaItem] = field(default_factory=list)
     per_image: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    raw: dict[str, Any] = field(default_factory=dict)
+    problem: str | None = None
 
-    def inputs_after(self, num_cached_tokens: int) -> dict[str, torch.Tensor]:
-        """The per-image processor outputs of the images that start at or after
-        ``num_cached_tokens`` (what a prefill of the rest of the prompt embeds), concatenated
-        along dim 0; ``{}`` when every image is in the cached prefix."""
+    @property
+    def keyable(self) -> bool:
+        return self.problem is None
+
+    def extra_keys(self, num_blocks: int, block_size: int) -> list[bytes] | None:
+        """Per-block extra keys of blocks ``0 .. num_blocks - 1`` (``None``: no image)."""
+        return block_extra_keys(self.items, num_blocks, block_size) if self.items else None
+
+    def cut(self, num_blocks: int, block_size: int) -> int:
+        """The blocks of a hit of ``num_blocks`` that may be used: none of an unkeyable
+        prompt, and never ending inside an image (module docstring)."""
+        return whole_items_prefix(self.items, num_blocks, block_size) if self.keyable else 0
+
+    def inputs_after(self, num_cached_tokens: int) -> dict[str, Any]:
+        """The processor outputs a prefill of the prompt after ``num_cached_tokens`` needs:
+        the per-image tensors of the images that start at or after it, concatenated along
+        dim 0 (``{}`` when every image is cached); all of them for an unkeyable prompt."""
+        if not self.keyable:
+            return dict(self.raw)
         keep = [i for i, item in enumerate(self.items) if item.start >= num_cached_tokens]
         if not keep:
             return {}
@@ -72,9 +90,9 @@ def image_token_id(config: Any) -> int | None:
     return None
 
 
-def prompt_media(inputs: Mapping[str, Any], config: Any, input_ids: list[int]) -> PromptMedia | None:
-    """The images of a prompt from its processor outputs, or ``None`` (logged) when they
-    cannot be keyed (module docstring).
+def prompt_media(inputs: Mapping[str, Any], config: Any, input_ids: list[int]) -> PromptMedia:
+    """The images of a prompt from its processor outputs; when they cannot be keyed (module
+    docstring) ``problem`` says why (and it is logged).
 
     Args:
         inputs: the processor outputs (a ``BatchFeature`` or dict): per-image tensors, and
@@ -88,13 +106,13 @@ def prompt_media(inputs: Mapping[str, Any], config: Any, input_ids: list[int]) -
     problem = _check(inputs, tensors, runs, input_ids, token)
     if problem is not None:
         logger.warning("kvtier: this prompt's media cannot be keyed (%s); it is not cached", problem)
-        return None
+        return PromptMedia(raw=tensors, problem=problem)
     per_image = {name: list(value.split(1)) for name, value in tensors.items()}
     items = []
     for i, (start, length) in enumerate(runs):
         parts = b"".join(name.encode() + b"|" + content_hash(per_image[name][i]) for name in sorted(per_image))
         items.append(MediaItem(start, length, content_hash(parts)))
-    return PromptMedia(items, per_image)
+    return PromptMedia(items, per_image, tensors)
 
 
 def _runs(input_ids: list[int], token: int) -> list[tuple[int, int]]:

@@ -93,18 +93,21 @@ def test_a_hit_never_ends_inside_an_image(llava, connector):
     """transformers embeds an image only in the prefill that holds its whole placeholder
     run: a cached prefix ending inside the run would leave the rest of the image unembedded
     (or make the model refuse the features). The hit is cut before the image."""
-    ids, pixels = prompt(10, 20, seed=3), image(3)  # image tokens 10..25
-    greedy(llava, ids[:, :20], pixels, connector)  # stores blocks 0..1: block 1 ends inside the image
-    warm, plan = greedy(llava, ids, pixels, connector)
-    assert plan.num_cached_tokens == 8  # block 1 holds part of the image: cut before it
+    ids, pixels = prompt(10, 20, seed=3), image(3)  # image tokens 10..25: blocks 1, 2 and 3
+    greedy(llava, ids, pixels, connector)
+    other = ids.clone()
+    other[0, 28:] = (other[0, 28:] + 1) % IMAGE_TOKEN  # the same up to token 27: blocks 0..2 hit
+    warm, plan = greedy(llava, other, pixels, connector)
+    assert plan.num_cached_tokens == 8  # blocks 1..2 end inside the image: cut before it
     assert torch.equal(plan.generate_kwargs()["pixel_values"], pixels)
-    assert warm == greedy(llava, ids, pixels)[0]
+    assert warm == greedy(llava, other, pixels)[0]
+    assert sum(connector.store.stats.loaded_blocks.values()) == 3  # three blocks hit and loaded, two unused
 
 
 def test_media_that_cannot_be_keyed_are_not_cached(llava, connector):
     ids, pixels = prompt(5, 30, seed=4), image(4)
     two = torch.cat([pixels, image(5)])  # two images for one placeholder run
-    assert prompt_media({"input_ids": ids, "pixel_values": two}, llava.config, ids[0].tolist()) is None
+    assert not prompt_media({"input_ids": ids, "pixel_values": two}, llava.config, ids[0].tolist()).keyable
     plan = connector.before_prefill(ids, media={"input_ids": ids, "pixel_values": two})
     assert plan.num_cached_tokens == 0 and torch.equal(plan.generate_kwargs()["pixel_values"], two)
     assert connector.after_request(ids[0], plan.cache, media={"pixel_values": two}) == 0
