@@ -328,8 +328,11 @@ def test_a_hash_collision_is_never_loaded_into_vllms_cache(make_engine, monkeypa
 
 
 def with_image(request, identifier, offset, length):
-    request.mm_features = [SimpleNamespace(identifier=identifier, modality="image",
-                                           mm_position=SimpleNamespace(offset=offset, length=length))]
+    """``request`` with one image, as vLLM 0.32's own feature spec describes it."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    request.mm_features = [MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
+                                                 mm_position=PlaceholderRange(offset=offset, length=length))]
     return request
 
 
