@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     digest = Case(lambda: [fingerprint_block_tokens(NAMESPACE, block) for _ in range(reps)])
     hashed = Case(lambda: [hash_block_tokens(NAMESPACE, block) for _ in range(reps)])
     value, base = per_block_us(digest, hashed, reps, args.repeats, args.stat)
-    rows.append(Row("the extra digest: fingerprint_block_tokens", value, "us/block", base, "hash_block_tokens (sha256)"))
+    rows.append(Row("the extra digest: fingerprint_block_tokens", value, "us/block", base,
+                    "hash_block_tokens (sha256)"))
     print_table(
         f"kvtier hashing: {args.tokens} tokens, {num_blocks} blocks of {args.block_size}; "
         f"{args.stat} of {args.repeats} after one warm-up",

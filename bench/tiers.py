@@ -214,7 +214,8 @@ def bench_pool(b: Bench, medium: Medium) -> list[Row]:
     store = b.store(gpu_blocks=b.num_blocks) if medium is Medium.GPU else b.store(cpu_blocks=b.num_blocks)
     R, state, copy_name = b.request_blocks, {}, f"torch copy on {device}"
     try:
-        put = Case(lambda: put_requests(store, state["hashes"], src, R, b.fingerprints), lambda: state.update(hashes=b.fresh_chain()))
+        put = Case(lambda: put_requests(store, state["hashes"], src, R, b.fingerprints),
+                   lambda: state.update(hashes=b.fresh_chain()))
         rows = [b.row(f"{medium} put: store(), pool full (LRU evicts)", put,
                       Case(lambda: copy_chunks(scratch, src, R)), copy_name)]
         b.check_store(store, state["hashes"], f"{medium} put")
@@ -262,7 +263,8 @@ def bench_disk(b: Bench) -> list[Row]:
         hashes = state["hashes"]
         for i in range(0, b.num_blocks, B):
             fps = b.fingerprints
-            ok = disk.write_batch([(hashes[j], NAMESPACE, b.src[j], fps[hashes[j]]) for j in range(i, min(i + B, b.num_blocks))])
+            batch = range(i, min(i + B, b.num_blocks))
+            ok = disk.write_batch([(hashes[j], NAMESPACE, b.src[j], fps[hashes[j]]) for j in batch])
             assert all(ok), "DISK write_batch refused a block"
 
     def get() -> None:

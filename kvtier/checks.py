@@ -115,7 +115,9 @@ def check_fingerprints(values: Any, num_blocks: int) -> list[Fingerprint] | None
     for fp in values:
         if not isinstance(fp, bytes) or len(fp) != FINGERPRINT_NBYTES:
             i = next(i for i, x in enumerate(values) if x is fp)
-            raise ValueError(f"expected fingerprints as bytes of {FINGERPRINT_NBYTES} bytes, got {_describe(fp)} at index {i}")
+            raise ValueError(
+                f"expected fingerprints as bytes of {FINGERPRINT_NBYTES} bytes, got {_describe(fp)} at index {i}"
+            )
     return values if isinstance(values, list) else list(values)
 
 
@@ -129,9 +131,11 @@ def expected_fingerprints(values: Any, num_blocks: int) -> list[Fingerprint | No
     if values is None:
         return [None] * num_blocks
     if not isinstance(values, (list, tuple)) or len(values) != num_blocks:
-        got = f"{type(values).__name__} of length {len(values)}" if hasattr(values, "__len__") else type(values).__name__
+        got = _describe(values)
         raise ValueError(f"expected a list of {num_blocks} fingerprints (or None entries), got {got}")
     for fp in values:
         if fp is not None and (not isinstance(fp, bytes) or len(fp) != FINGERPRINT_NBYTES):
-            raise ValueError(f"expected fingerprints as bytes of {FINGERPRINT_NBYTES} bytes or None, got {_describe(fp)}")
+            raise ValueError(
+                f"expected fingerprints as bytes of {FINGERPRINT_NBYTES} bytes or None, got {_describe(fp)}"
+            )
     return list(values)

@@ -230,7 +230,8 @@ def block_keys_for(
     parent, parent_fp = namespace, namespace
     for i in range(num_blocks):
         extra = extra_keys[i] if extra_keys else b""
-        parent, parent_fp = key_block_tokens(parent, parent_fp, tokens[i * block_size : (i + 1) * block_size], extra, hash_name)
+        block = tokens[i * block_size : (i + 1) * block_size]
+        parent, parent_fp = key_block_tokens(parent, parent_fp, block, extra, hash_name)
         hashes.append(parent)
         fingerprints.append(parent_fp)
     return hashes, fingerprints

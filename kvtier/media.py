@@ -93,7 +93,9 @@ def check_items(items: Sequence[MediaItem], num_tokens: int) -> list[MediaItem]:
         if b.start < a.end:
             raise ValueError(f"expected media items not to overlap, got [{a.start}, {a.end}) and [{b.start}, {b.end})")
     if ordered and ordered[-1].end > num_tokens:
-        raise ValueError(f"expected media items within the {num_tokens} prompt tokens, got one ending at {ordered[-1].end}")
+        raise ValueError(
+            f"expected media items within the {num_tokens} prompt tokens, got one ending at {ordered[-1].end}"
+        )
     return ordered
 
 

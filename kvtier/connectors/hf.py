@@ -317,7 +317,8 @@ class HFConnector:
                 k, v = k[:, :, :num_cached], v[:, :, :num_cached]
                 cache.update(k.to(device, non_blocking=True), v.to(device, non_blocking=True), layer)
         media_inputs = media.inputs_after(num_cached) if media is not None else {}
-        return PrefillPlan(num_cached, cache, block_hashes, loaded.sources[:num_blocks], self._cache_kwarg, media_inputs)
+        sources = loaded.sources[:num_blocks]
+        return PrefillPlan(num_cached, cache, block_hashes, sources, self._cache_kwarg, media_inputs)
 
     def after_request(self, token_ids: torch.Tensor | Sequence[int], cache: Any, *, media: Any = None) -> int:
         """Store the new full blocks of ``token_ids`` (prompt + output, ``[num_tokens]`` or

@@ -15,7 +15,8 @@ forward). So a hit never ends inside an image (:func:`kvtier.media.whole_items_p
 the suffix prefill gets the tensors of the images after the cached prefix only
 (:meth:`PromptMedia.inputs_after`).
 
-What cannot be keyed this way, and is then not cached (``PromptMedia.problem`` says why): a processor output that is neither per image nor ``input_ids``/``attention_mask``
+What cannot be keyed this way, and is then not cached (``PromptMedia.problem`` says why): a
+processor output that is neither per image nor ``input_ids``/``attention_mask``
 (per-token ``token_type_ids``, flattened patches with ``image_grid_thw``: Gemma 3, Qwen2-VL),
 image runs that do not pair one to one with the images (two adjacent images without a token
 between them), a batch of more than one prompt.
