@@ -12,6 +12,7 @@ tier already holds them; DISK victims are dropped. Every method expects the stor
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Callable, Sequence
 
 import torch
@@ -53,8 +54,8 @@ class Placement:
         self.wait_for_writes: Callable[[], bool] = lambda: False
         """Set by the store: wait for background writes (whose pins may stand in the way of
         an eviction) and return whether there were any."""
-        self.disk_in_flight_bytes = 0
-        """Footprints of background DISK writes submitted but not yet reaped
+        self.disk_in_flight: Counter[BlockHash] = Counter()
+        """Blocks of background DISK writes submitted but not yet reaped
         (kvtier.store.writes): room they will take, so no other write may count on it."""
 
     # -- where blocks are --------------------------------------------------------------------
@@ -152,14 +153,14 @@ class Placement:
         fails "full" after its blocks were reported stored)."""
         assert self.disk is not None
         room = self._disk_room(num_blocks)
-        if room is None and self.disk_in_flight_bytes and self.wait_for_writes():
+        if room is None and self.disk_in_flight and self.wait_for_writes():
             room = self._disk_room(num_blocks)  # the writes in flight are reaped: evictable now
         return room
 
     def _disk_room(self, num_blocks: int) -> list[BlockHash] | None:
         assert self.disk is not None
         size = self.disk.footprint(self.spec.block_nbytes)
-        need, free = size * num_blocks, self.disk.free_bytes - self.disk_in_flight_bytes
+        need, free = size * num_blocks, self.disk.free_bytes_after(self.disk_in_flight, self.spec.block_nbytes)
         victims: list[BlockHash] = []
         for h in self.disk.lru_order():
             if free >= need:
@@ -204,6 +205,13 @@ class Placement:
         (evicting DISK victims in the first); keeps the newest that fit."""
         if not block_hashes or self.disk is None:
             return
+        if any(h in self.disk_in_flight for h in block_hashes):
+            # a background write of these blocks is under way: let it land rather than write
+            # them twice (and count their room twice)
+            self.wait_for_writes()
+            block_hashes = [h for h in block_hashes if h not in self.disk]
+            if not block_hashes:
+                return
         victims = self.disk_room(len(block_hashes))
         while victims is None and block_hashes:
             block_hashes = block_hashes[1:]

@@ -8,6 +8,8 @@ are never made under the store's lock. Every method expects the store's lock hel
 
 from __future__ import annotations
 
+from collections import Counter
+
 from kvtier.store.placement import Placement
 from kvtier.store.residency import Residency
 from kvtier.store.results import Lease, StoreStats
@@ -33,8 +35,7 @@ class BackgroundWrites:
     ) -> None:
         self._placement, self._residency, self._stats, self._remote = placement, residency, stats, remote
         self.engine = engine
-        # job id -> (destination, pins on its sources, DISK footprint it will take)
-        self._jobs: dict[int, tuple[Medium, Lease, int]] = {}
+        self._jobs: dict[int, tuple[Medium, Lease]] = {}  # job id -> (destination, pins on its sources)
 
     def __bool__(self) -> bool:
         """Whether any write is in flight or not yet reaped."""
@@ -43,7 +44,7 @@ class BackgroundWrites:
     def after_fork_in_child(self, engine: TransferEngine) -> None:
         """The parent's jobs do not exist in a forked child; its pins stay (never released)."""
         self._jobs.clear()
-        self._placement.disk_in_flight_bytes = 0
+        self._placement.disk_in_flight.clear()
         self.engine = engine
 
     def write_through(self, block_hashes: list[BlockHash]) -> None:
@@ -65,9 +66,8 @@ class BackgroundWrites:
         # deleted them later could evict a block pinned in between (guarantee 4).
         placement.evict_from_disk(victims)
         job = TransferJob(host.medium, Medium.DISK, todo, src_ids=[host.block_id(h) for h in todo])
-        footprint = disk.footprint(placement.spec.block_nbytes) * len(todo)
-        placement.disk_in_flight_bytes += footprint
-        self._jobs[self.engine.submit(job)] = (Medium.DISK, lease, footprint)
+        placement.disk_in_flight.update(todo)
+        self._jobs[self.engine.submit(job)] = (Medium.DISK, lease)
 
     def put_remote(self, block_hashes: list[BlockHash]) -> None:
         """Send newly stored blocks to the REMOTE tier (so that other processes hit them at
@@ -78,7 +78,7 @@ class BackgroundWrites:
             return
         lease = self._residency.lease(todo)
         job = TransferJob(top.medium, Medium.REMOTE, todo, src_ids=[top.block_id(h) for h in todo])
-        self._jobs[self.engine.submit(job)] = (Medium.REMOTE, lease, 0)
+        self._jobs[self.engine.submit(job)] = (Medium.REMOTE, lease)
 
     def reap(self, wait: bool = False) -> bool:
         """Consume finished jobs (``wait``: every job, waiting for it), release their pins,
@@ -88,9 +88,11 @@ class BackgroundWrites:
         ids = list(self._jobs)
         results = self.engine.wait(ids).values() if wait else self.engine.poll(ids)
         for result in results:
-            medium, lease, footprint = self._jobs.pop(result.job_id)
+            medium, lease = self._jobs.pop(result.job_id)
             lease.release()
-            self._placement.disk_in_flight_bytes -= footprint
+            if medium is Medium.DISK:
+                self._placement.disk_in_flight.subtract(lease.block_hashes)
+                self._placement.disk_in_flight += Counter()  # drop zero counts
             if medium is Medium.REMOTE:
                 self._stats.stored_blocks[Medium.REMOTE] += sum(result.ok)
             else:

@@ -32,7 +32,7 @@ import os
 import struct
 import threading
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -132,6 +132,15 @@ class DiskTier:
         """Room for new records: the cap less this version's records (another version's
         records make way for new ones)."""
         return self.capacity_bytes - self._used + self._foreign_used
+
+    def free_bytes_after(self, pending: Iterable[BlockHash], payload_nbytes: int) -> int:
+        """Bytes still free once the writes of ``pending`` (records of ``payload_nbytes``
+        each, submitted but maybe not yet committed) land: those already in the index count
+        once, in ``used_bytes``. Read under the tier's lock, so a write committing meanwhile is
+        counted exactly once."""
+        with self._lock:
+            not_landed = sum(1 for h in pending if h not in self._lru)
+            return self.capacity_bytes - self._used - not_landed * self.footprint(payload_nbytes)
 
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._lru

@@ -50,6 +50,22 @@ def test_accounting_is_exact_and_cap_holds(tmp_path):
     tier.close()
 
 
+def test_free_bytes_after_writes_in_flight_counts_a_landed_write_once(tmp_path):
+    """Background DISK writes reserve room (kvtier.store.placement): a write that already
+    landed is in used_bytes and must not be counted again as pending (it made write-through
+    stores evict DISK blocks they did not need to)."""
+    b = blocks(1)[0]
+    nbytes = b.numel() * 4
+    footprint = record_footprint(nbytes)
+    tier = DiskTier(tmp_path, 8 * footprint)
+    landed, pending = hashes(2)
+    assert tier.write_batch([(landed, NS, b)]) == [True]
+    assert tier.free_bytes_after([], nbytes) == 7 * footprint
+    assert tier.free_bytes_after([landed], nbytes) == 7 * footprint
+    assert tier.free_bytes_after([landed, pending], nbytes) == 6 * footprint
+    tier.close()
+
+
 def test_reopen_rebuilds_index_in_store_order(tmp_path):
     tier = DiskTier(tmp_path, 1 << 20)
     hs = hashes(4)
