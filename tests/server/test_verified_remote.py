@@ -30,7 +30,7 @@ def remotes():
     made: list[RemoteTier] = []
 
     def factory(url: str) -> RemoteTier:
-        remote = RemoteTier(url, timeout_s=2.0, backoff_s=0.01, max_backoff_s=0.05)
+        remote = RemoteTier(url, timeout_s=10.0, backoff_s=0.01, max_backoff_s=0.05)  # a loaded CI host
         remote.register(NAMESPACE, SPEC)
         made.append(remote)
         return remote
