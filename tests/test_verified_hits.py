@@ -228,3 +228,22 @@ def test_a_remote_block_of_other_tokens_is_a_miss_counted_token_mismatch(tmp_pat
         assert mismatches(store) == {("REMOTE", "token_mismatch"): 1}
         assert store.medium_of(HASHES[1]) is None  # never published
         store.check_invariants()
+
+
+def test_old_version_records_make_room_for_a_stores_spills(tmp_path):
+    """A DISK full of another version's records takes this store's spills: the room they
+    hold counts as free (free_bytes and free_bytes_after agree), they are dropped first."""
+    config = config_in_blocks(tmp_path, gpu=4, disk=4)
+    (tmp_path / "disk").mkdir(parents=True)
+    DiskTier(tmp_path / "disk", config.disk_bytes).close()
+    old = [hashlib.sha256(f"old{i}".encode()).digest() for i in range(4)]
+    write_raw(tmp_path / "disk", [(h, legacy_record(NS, b)) for h, b in zip(old, random_blocks(SPEC, 4))])
+    with TieredStore(SPEC, config, NS, device="cpu") as store:
+        disk = store.disk
+        assert disk.foreign_bytes == disk.used_bytes == config.disk_bytes
+        assert disk.free_bytes_after([], SPEC.block_nbytes) == disk.free_bytes == config.disk_bytes
+        blocks = random_blocks(SPEC, 4)
+        assert store.store(HASHES, blocks, FPS) == 4
+        store.flush()
+        assert [h in disk for h in HASHES] == [True] * 4 and disk.foreign_bytes == 0
+        store.check_invariants()

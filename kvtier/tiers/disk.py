@@ -136,11 +136,12 @@ class DiskTier:
     def free_bytes_after(self, pending: Iterable[BlockHash], payload_nbytes: int) -> int:
         """Bytes still free once the writes of ``pending`` (records of ``payload_nbytes``
         each, submitted but maybe not yet committed) land: those already in the index count
-        once, in ``used_bytes``. Read under the tier's lock, so a write committing meanwhile is
+        once, in ``used_bytes``; another version's records are free room, as in
+        :attr:`free_bytes`. Read under the tier's lock, so a write committing meanwhile is
         counted exactly once."""
         with self._lock:
             not_landed = sum(1 for h in pending if h not in self._lru)
-            return self.capacity_bytes - self._used - not_landed * self.footprint(payload_nbytes)
+            return self.free_bytes - not_landed * self.footprint(payload_nbytes)
 
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._lru
