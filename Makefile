@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-fast bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# The fast lane: everything not marked slow (under a minute on 2 quiet cores).
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
 bench: setup
 	$(BIN)/python bench/tiers.py $(ARGS)

@@ -5,7 +5,7 @@
 Steps (every GB/s row beside a baseline measured in the same run; decimal GB/s, best of
 ``repeats`` after one warm-up, :func:`bench.common.measure` with ``torch.cuda.synchronize``):
 
-1. tests: ``pytest tests/gpu tests/kernels -m gpu`` in a subprocess (cases G1, G2, per-layer
+1. tests: ``pytest tests/gpu tests/unit/kernels -m gpu`` in a subprocess (cases G1, G2, per-layer
    prefetch, the Triton kernels compiled); pass/fail counts become rows.
 2. H2D / D2H on 2 MiB blocks (Llama-3-8B shape), 1 GiB per measurement, requests of 32 blocks:
    ``TieredStore.load`` of blocks held only in the CPU slab (promotion: the engine's per-layer
@@ -172,12 +172,12 @@ class Run:
 
 # -- step 1: tests -----------------------------------------------------------------------------
 def step_tests(run: Run) -> list[Row]:
-    """``pytest tests/gpu tests/kernels -m gpu`` in a subprocess; counts from its JUnit XML."""
+    """``pytest tests/gpu tests/unit/kernels -m gpu`` in a subprocess; counts from its JUnit XML."""
     xml_path, log_path = run.out / "pytest.xml", run.out / "pytest.log"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     if not run.cuda:
         env["KVTIER_GPU_TESTS_ON_CPU"] = "1"  # tests/gpu run their steps on the CPU
-    cmd = [sys.executable, "-m", "pytest", "tests/gpu", "tests/kernels", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "tests/gpu", "tests/unit/kernels", "-m", "gpu", "-q", "-p", "no:cacheprovider",
            f"--junitxml={xml_path}"]
     timeout_s = max(30.0, min(run.plan.pytest_timeout_s, run.budget_s - run.elapsed_s() - 60))
     log.info("step 1: %s (timeout %.0f s)", " ".join(cmd), timeout_s)
@@ -196,7 +196,7 @@ def step_tests(run: Run) -> list[Row]:
     if rc not in (0, None) and not failed:
         run.note(f"tests: pytest exit code {rc} without a failed test (collection error?); see pytest.log")
     return [
-        Row("tests: passed (pytest tests/gpu tests/kernels -m gpu)", float(passed), "tests", float(total - skipped), "tests run"),
+        Row("tests: passed (pytest tests/gpu tests/unit/kernels -m gpu)", float(passed), "tests", float(total - skipped), "tests run"),
         Row("tests: failed or errors", float(failed), "tests"),
         Row("tests: skipped", float(skipped), "tests"),
     ]

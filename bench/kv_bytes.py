@@ -7,7 +7,7 @@ hybrid KV cache manager keeps on the GPU).
 No timing: the sizes follow from the block layout. Each model is the published
 checkpoint's attention geometry (config.json: layers, K/V heads, head dim, window, layer
 pattern), bfloat16, built as a real :class:`kvtier.types.KVSpec`; ``spec.bytes_per_token``
-is what every tier stores per token (tests/test_layout.py checks a DISK record's payload is
+is what every tier stores per token (tests/unit/test_types.py checks a DISK record's payload is
 ``block_nbytes``).
 
 - kvtier (every position): sliding and chunked layers keep every position's K/V, like full

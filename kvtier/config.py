@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, get_args
 
 # Kept free of torch and of kvtier.hashing (numpy, msgpack): `kvtier --help` builds its flags
-# from this module. tests/test_config.py checks HashName against kvtier.hashing.HASH_NAMES.
+# from this module. tests/unit/test_config.py checks HashName against kvtier.hashing.HASH_NAMES.
 HashName = Literal["sha256", "xxh3_128"]
 HASH_NAMES: tuple[str, ...] = get_args(HashName)
 WritePolicy = Literal["write_back", "write_through"]

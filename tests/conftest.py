@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import lmdb
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from kvtier.tiers.disk import record_footprint
 from kvtier.types import KVSpec
 
 BLOCK_SIZE = 4
+NS = KeyContext(model_id="test-model", block_size=BLOCK_SIZE).namespace()  # the `namespace` fixture's
 
 
 def tiny_spec(block_size: int = BLOCK_SIZE, dtype: torch.dtype = torch.float32) -> KVSpec:
@@ -58,7 +60,7 @@ def llama():
 
 @pytest.fixture
 def namespace() -> bytes:
-    return KeyContext(model_id="test-model", block_size=BLOCK_SIZE).namespace()
+    return NS
 
 
 @pytest.fixture
@@ -78,6 +80,63 @@ def make_store(tmp_path, namespace):
     for store in stores:
         store.close()
 
+
+def open_store(data_dir, gpu=4, cpu=0, disk=0, spec: KVSpec | None = None, **kwargs) -> TieredStore:
+    """A TieredStore under namespace ``NS`` with capacities counted in blocks (the GPU pool
+    emulated in host memory); the caller closes it (or registers it with ``opened``)."""
+    spec = spec or tiny_spec()
+    return TieredStore(spec, config_in_blocks(data_dir, gpu, cpu, disk, spec, **kwargs), NS, device="cpu",
+                       emulate_gpu=True)
+
+
+@pytest.fixture
+def opened():
+    """``opened(store)`` registers a store to close at teardown; a close that raises (a bug
+    can leave a store broken) is ignored there, the test itself says what it expects."""
+    stores: list[TieredStore] = []
+    yield lambda store: stores.append(store) or store
+    for store in stores:
+        try:
+            store.close()
+        except Exception:  # noqa: BLE001 - teardown of a store a bug left broken
+            pass
+
+
+def read_back(store: TieredStore, hashes) -> tuple[int, torch.Tensor]:
+    """Load ``hashes``; the number of blocks loaded and a copy of their bytes ``[n, *block_shape]``."""
+    result = store.load(hashes)
+    with result.lease:
+        ids = torch.tensor(result.block_ids, dtype=torch.long)
+        return len(result.block_ids), store.top.tensor[ids].clone()
+
+
+def stored_then_reopened(opened, data_dir, n, seed=0, edit=None, **reopen):
+    """Store ``n`` blocks of the tiny spec, close (they go to DISK), optionally ``edit(txn,
+    hashes)`` the LMDB environment behind kvtier's back, reopen. Returns (store, hashes, blocks)."""
+    spec = tiny_spec()
+    first = open_store(data_dir, gpu=max(4, n), disk=4 * n)
+    hashes = chain(n, spec, NS, start=1000 * seed)
+    blocks = random_blocks(spec, n, seed=seed)
+    assert first.store(hashes, blocks) == n
+    first.close()
+    if edit is not None:
+        env = lmdb.open(str(data_dir / "disk"), map_size=1 << 30)
+        with env.begin(write=True) as txn:
+            edit(txn, hashes)
+        env.close()
+    store = opened(open_store(data_dir, **{"gpu": max(4, n), "disk": 4 * n, **reopen}))
+    return store, hashes, blocks
+
+
+def patch_record(txn, key: bytes, fn) -> None:
+    """Replace the LMDB value under ``key`` by ``fn(bytearray(value))``."""
+    value = bytearray(txn.get(key))
+    txn.put(key, bytes(fn(value)))
+
+
+def flip_byte(offset: int, mask: int = 0xFF):
+    """A ``patch_record`` edit: XOR byte ``offset`` of a record with ``mask``."""
+    return lambda v: v[:offset] + bytes([v[offset] ^ mask]) + v[offset + 1 :]
 
 
 class MemoryRemote(_MemoryRemote):

@@ -11,6 +11,7 @@ prefix decides a module's layer; a module with no layer fails the test).
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -218,3 +219,27 @@ def test_the_walker_finds_lazy_and_type_checking_imports(tmp_path):
     assert layer_of("kvtier.types") == 0 and layer_of("kvtier.server.app") == 4
     assert layer_of("kvtier.app.demo") == 5 and layer_of("kvtier.connectors.vllm.worker") == 3
     assert layer_of("kvtier.nothing") is None
+
+
+def documented_layers(doc: str) -> dict[str, int]:
+    """Module prefix -> layer, from the table of the "## Layers" section of ``doc``: rows
+    ``| <layer> <name> | `kvtier.x`, `kvtier.y` (...) | ... |``, prefixes in backquotes."""
+    section = doc.split("\n## Layers", 1)[1].split("\n## ", 1)[0]
+    found: dict[str, int] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[0][:1].isdigit():
+            for prefix in re.findall(r"`(kvtier(?:\.[\w.]+)?)`", cells[1]):
+                found[prefix] = int(cells[0].split()[0])
+    return found
+
+
+def test_the_layers_of_docs_architecture_md_are_these():
+    doc = (PACKAGE_DIR.parent / "docs" / "architecture.md").read_text()
+    assert documented_layers(doc) == LAYERS, "docs/architecture.md (Layers) and LAYERS disagree"
+
+
+def test_documented_layers_reads_the_table():
+    doc = "# x\n## Layers (t)\n| layer | modules |\n|---|---|\n| 0 a | `kvtier.types`, `kvtier` (the facade) |\n" \
+          "| 4 b | `kvtier.server` |\n## Next\n| 1 c | `kvtier.wire` |\n"
+    assert documented_layers(doc) == {"kvtier.types": 0, "kvtier": 0, "kvtier.server": 4}

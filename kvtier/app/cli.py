@@ -9,7 +9,7 @@ Store options (``--gpu-bytes`` ... ``--flush-on-close``) map one to one onto
 :class:`kvtier.config.StoreConfig` fields and their ``KVTIER_*`` environment variables.
 
 Every command imports its work inside its body, so ``kvtier --help``, ``--version`` and each
-command's ``--help`` import neither torch nor the store (checked by tests/test_app_layer.py).
+command's ``--help`` import neither torch nor the store (checked by tests/unit/app/test_app_layer.py).
 """
 
 from __future__ import annotations

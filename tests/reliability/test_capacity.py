@@ -1,6 +1,6 @@
 """Capacity is never exceeded and never a dead end (guarantee 3, case D3), with the real LMDB
 map filling up (fault-injected full maps and filesystems: test_faults.py; a real full tmpfs:
-tests/regressions/test_breaker.py)."""
+test_disk_full.py)."""
 
 from __future__ import annotations
 

@@ -73,8 +73,13 @@ def _chat_under_faults(llama, tmp_path, plan: FaultPlan, remote=None) -> int:
     return cached
 
 
-@pytest.mark.parametrize("op,kind", [("read", k) for k in DISK_READ_FAULTS] +
-                         [("write", k) for k in DISK_WRITE_FAULTS if k != "raise"])
+# a multi-turn generate per fault: a corrupt read and a full DISK stay in the fast lane
+FAST_DISK_FAULTS = {("read", "corrupt"), ("write", "full")}
+DISK_FAULT_CASES = [("read", k) for k in DISK_READ_FAULTS] + [("write", k) for k in DISK_WRITE_FAULTS if k != "raise"]
+
+
+@pytest.mark.parametrize("op,kind", [case if case in FAST_DISK_FAULTS else pytest.param(*case, marks=pytest.mark.slow)
+                                     for case in DISK_FAULT_CASES])
 def test_greedy_output_equals_a_cold_run_under_disk_faults(llama, tmp_path, op, kind):
     plan = FaultPlan([Fault(op, kind, p=0.5, delay_s=0.005)], seed=5)
     cached = _chat_under_faults(llama, tmp_path, plan)
@@ -83,6 +88,7 @@ def test_greedy_output_equals_a_cold_run_under_disk_faults(llama, tmp_path, op, 
 
 @pytest.mark.parametrize("op,kind", [("get", k) for k in ("unavailable", "timeout", "corrupt", "truncate", "missing")]
                          + [("put", k) for k in ("full", "corrupt", "truncate")])
+@pytest.mark.slow  # a multi-turn generate per fault
 def test_greedy_output_equals_a_cold_run_under_remote_faults(llama, tmp_path, op, kind):
     remote = MemoryRemote(timeout_s=0.005)
     plan = FaultPlan([Fault(op, kind, p=0.5, delay_s=0.005)], seed=5)

@@ -40,6 +40,7 @@ import threading
 import time
 
 import lmdb
+import pytest
 import torch
 
 from kvtier.hashing import block_hashes_for
@@ -215,6 +216,7 @@ def _check_store(data_dir, disk_blocks, expected: set[bytes], on_disk: set[bytes
         store.close()
 
 
+@pytest.mark.slow  # child processes killed at random points
 def test_kill_9_at_random_points_never_loses_an_acknowledged_block_nor_serves_a_corrupt_one(tmp_path):
     rnd = random.Random(2024)
     totals = dict(kills=0, acknowledged=0, checked=0, lost=0, corrupt=0, killed_mid_run=0)

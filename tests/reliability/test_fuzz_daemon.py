@@ -35,7 +35,7 @@ from kvtier.wire import END, frame_prefix, pack, spec_to_wire
 from kvtier.types import DTYPE_NAMES
 from tests.conftest import random_blocks
 from tests.reliability.conftest import reliability_settings
-from tests.server.conftest import SPEC, ThreadDaemon, frames, hashes, ns_url, parse_frames, serve_settings
+from tests.unit.server.conftest import SPEC, ThreadDaemon, frames, hashes, ns_url, parse_frames, serve_settings
 
 TOKEN = "fuzz-token"
 REFERENCE_NS = b"\xaa" * 32  # the fuzzer never names it
@@ -216,6 +216,7 @@ def _examples(default: int) -> int:
     return 50 * default if reliability_settings().max_examples > 1000 else default
 
 
+@pytest.mark.slow  # fuzzes a daemon
 def test_fuzzed_requests_never_get_a_5xx_and_stored_blocks_stay_intact(daemon, client):
     auth = {"Authorization": f"Bearer {TOKEN}"}
     for ns in (REFERENCE_NS, TARGET_NS):

@@ -31,6 +31,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -317,6 +318,7 @@ class StoreMachine(RuleBasedStateMachine):
 # (background jobs run in submission order; every step ends by waiting for them), fault draws
 # keyed by block (kvtier.testing.FaultPlan), and rule preconditions only on state that does not
 # depend on hits. Concurrency itself is exercised in test_processes.py and
-# tests/regressions/test_breaker.py (threads storing, loading and flushing at once).
+# test_threads.py (threads storing, loading and flushing at once).
 TestStoreMachine = StoreMachine.TestCase
+TestStoreMachine.pytestmark = [pytest.mark.slow]  # the long stateful model check
 TestStoreMachine.settings = reliability_settings()

@@ -6,7 +6,7 @@ tenants, and the REMOTE tier keys records by ``(namespace, block_hash)``. A tena
 learns another tenant's exact hashes still gets no bytes from a store opened with its own
 namespace: every DISK and REMOTE record carries its namespace, checked on read. Hash-level
 properties (any two differing key contexts give different hashes; stable across processes)
-are in tests/test_hashing.py.
+are in tests/unit/test_hashing.py.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def test_lora_name_and_cache_salt_of_the_same_value_do_not_share_blocks_regressi
 
 def test_reopen_with_other_threads_policy_and_sizes_still_hits_regression_k3(tmp_path, stores):
     """K3: what does not change the K/V bytes is not in a key (pool sizes are in
-    tests/test_store.py; here I/O threads, write policy, flush and remote timeout too)."""
+    tests/unit/store/test_tiered_store.py; here I/O threads, write policy, flush and remote timeout too)."""
     hashes = _hashes(_namespace())
     first = open_store(tmp_path, gpu=4, cpu=4, disk=32, num_io_threads=1)
     first.store(hashes, contents(hashes))

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
-from tests.server.conftest import REPO  # noqa: E402
+from tests.unit.server.conftest import REPO  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 

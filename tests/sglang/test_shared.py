@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
-from tests.server.conftest import REPO, spawn  # noqa: E402,F401  (spawn: the daemon fixture)
+from tests.unit.server.conftest import REPO, spawn  # noqa: E402,F401  (spawn: the daemon fixture)
 from tests.sglang.worker import NUM_PAGES  # noqa: E402
 
 pytestmark = pytest.mark.sglang

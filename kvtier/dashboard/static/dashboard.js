@@ -1,6 +1,6 @@
 // kvtier dashboard: polls /v1/stats (see kvtier/dashboard/stats.py for the document) and draws
 // the figures and charts. Each figure's element carries the raw value in data-value, so a test
-// (tests/observability/test_dashboard_browser.py) can compare the page with the endpoint.
+// (tests/unit/dashboard/test_dashboard_browser.py) can compare the page with the endpoint.
 "use strict";
 
 const POLL_MS = 1000;

@@ -1,0 +1,92 @@
+"""bench/: the shared plumbing (rows, timing, JSON) and bench/tiers.py end to end on 16 MiB."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.common import Case, Row, measure, write_json
+
+REPO = Path(__file__).resolve().parents[2]
+ROW_KEYS = {"metric", "value", "unit", "baseline", "ratio"}
+
+
+def test_row_ratio_is_value_over_baseline_and_null_without_one():
+    assert Row("m", 3.0, "GB/s", 2.0).ratio == 1.5
+    assert Row("m", 3.0, "GB/s").ratio is None
+    assert Row("m", 3.0, "GB/s").to_json() == {
+        "metric": "m", "value": 3.0, "unit": "GB/s", "baseline": None, "ratio": None,
+    }
+
+
+def test_write_json_schema(tmp_path):
+    path = tmp_path / "sub" / "out.json"
+    write_json(path, "demo", [Row("a", 4.0, "GB/s", 2.0, "copy"), Row("b", 1.0, "s")])
+    data = json.loads(path.read_text())
+    assert data == {
+        "bench": "demo",
+        "rows": [
+            {"metric": "a", "value": 4.0, "unit": "GB/s", "baseline": 2.0, "ratio": 2.0},
+            {"metric": "b", "value": 1.0, "unit": "s", "baseline": None, "ratio": None},
+        ],
+    }
+
+
+def test_measure_interleaves_cases_after_warmup():
+    calls: list[str] = []
+    cases = [
+        Case(lambda: calls.append("a"), before=lambda: calls.append("before-a")),
+        Case(lambda: calls.append("b")),
+    ]
+    timings = measure(cases, repeats=2, warmup=1)
+    assert calls == ["before-a", "a", "b"] * 3
+    assert [len(t.samples_s) for t in timings] == [2, 2]  # the warm-up round is not kept
+    assert all(t.best_s <= t.median_s for t in timings)
+    with pytest.raises(ValueError):
+        measure(cases, repeats=0)
+
+
+@pytest.mark.slow  # runs bench/tiers.py end to end
+def test_tiers_bench_writes_rows_with_same_run_baselines(tmp_path):
+    out = tmp_path / "tiers.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "tiers.py"), "--total-bytes", "16MiB", "--repeats", "1",
+         "--json", str(out), "--dir", str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "LMCache 0.5.6 reference" in proc.stdout  # the footnote is printed as text
+    data = json.loads(out.read_text())
+    assert data["bench"] == "tiers"
+    metrics = [row["metric"] for row in data["rows"]]
+    for prefix in ("GPU put", "GPU get", "CPU put", "CPU get", "DISK put", "DISK get"):
+        assert any(m.startswith(prefix) for m in metrics), f"no {prefix} row in {metrics}"
+    for row in data["rows"]:
+        assert set(row) == ROW_KEYS
+        assert row["value"] > 0 and row["unit"] == "GB/s"
+        assert row["baseline"] is not None and row["baseline"] > 0  # every tier row has one here
+        assert math.isclose(row["ratio"], row["value"] / row["baseline"], rel_tol=1e-9)
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]  # the bench removed its temp dir
+
+
+def test_kv_bytes_rows_follow_from_the_layout(tmp_path):
+    """Gemma-3-27B: 62 layers (every 6th full), 16 K/V heads of 128, window 1024, bfloat16."""
+    from bench.kv_bytes import rows_for
+
+    rows = {row.metric: row for row in rows_for(16)}
+    per_layer = 2 * 16 * 128 * 2  # bytes per token and layer: K and V
+    every = rows["Gemma-3-27B (5:1, window 1024): kvtier, every position"]
+    assert every.value * 1024 == 62 * per_layer
+    windowed = rows["Gemma-3-27B (5:1, window 1024) @32k: window-only"]
+    sliding_tokens = (1023 // 16 + 1 + 1) * 16  # blocks covering the last 1024 positions
+    expected = (10 * per_layer * 32768 + 52 * per_layer * sliding_tokens) / 32768
+    assert windowed.value * 1024 == pytest.approx(expected)
+    assert windowed.baseline == every.value and windowed.ratio == pytest.approx(expected / (62 * per_layer))
+    assert rows["Mistral-7B-v0.1 (sliding 4096) @4k: window-only"].ratio == 1.0  # the window holds the whole cut

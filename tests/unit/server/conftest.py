@@ -1,0 +1,271 @@
+"""Daemons for the server tests: in-process apps (aiohttp's test client), a daemon on a
+background thread (for RemoteTier: stop and start it on the same port), a real
+``kvtier serve`` subprocess (restarts, kill -9), and a TCP proxy that corrupts bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from kvtier.config import StoreConfig
+from kvtier.records import HEADER_NBYTES, encode_header, parse_header
+from kvtier.server.app import make_app
+from kvtier.server.settings import ServeConfig
+from kvtier.wire import END, block_bytes, frame_prefix, pack, spec_to_wire
+from kvtier.tiers.disk import record_footprint
+from tests.conftest import tiny_spec
+
+REPO = Path(__file__).resolve().parents[3]
+NAMESPACE = bytes(range(32))
+SPEC = tiny_spec()  # [2, 2, 4, 1, 8] float32: 512 bytes a block
+
+
+def serve_settings(data_dir: Path, cpu_blocks: int = 64, disk_blocks: int = 256, spec=SPEC, **kwargs) -> ServeConfig:
+    store = StoreConfig(gpu_bytes=0, cpu_bytes=cpu_blocks * spec.block_nbytes,
+                        disk_bytes=disk_blocks * record_footprint(spec.block_nbytes), data_dir=data_dir,
+                        num_io_threads=1)
+    kwargs.setdefault("num_threads", 2)
+    return ServeConfig(store=store, port=0, **kwargs)
+
+
+def ns_url(namespace: bytes = NAMESPACE, op: str = "") -> str:
+    return f"/v1/namespaces/{namespace.hex()}" + (f"/{op}" if op else "")
+
+
+def hashes(n: int, salt: int = 0, size: int = 32) -> list[bytes]:
+    return [hashlib.sha256(f"{salt}/{i}".encode()).digest()[:size] for i in range(n)]
+
+
+def frames(namespace: bytes, block_hashes, blocks, end: bool = True) -> bytes:
+    body = b"".join(frame_prefix(h) + encode_header(namespace, b) + bytes(block_bytes(b))
+                    for h, b in zip(block_hashes, blocks))
+    return body + (END if end else b"")
+
+
+def parse_frames(body: bytes) -> list[tuple[bytes, bytes, bytes]]:
+    """``(hash, header, payload)`` per frame; asserts the end byte closes the body."""
+    out, offset = [], 0
+    while body[offset] != 0:
+        n = body[offset]
+        h = body[offset + 1 : offset + 1 + n]
+        offset += 1 + n
+        header = body[offset : offset + HEADER_NBYTES]
+        record = parse_header(header)
+        assert record is not None
+        offset += HEADER_NBYTES
+        out.append((h, header, body[offset : offset + record.payload_nbytes]))
+        offset += record.payload_nbytes
+    assert offset == len(body) - 1, "bytes after the end byte"
+    return out
+
+
+@pytest.fixture
+async def make_api(tmp_path):
+    """``await make_api(settings=None, **settings_kwargs)`` -> aiohttp TestClient of a fresh
+    app (closed at teardown, or earlier with ``await client.close()``)."""
+    clients: list[TestClient] = []
+
+    async def factory(settings: ServeConfig | None = None, **kwargs) -> TestClient:
+        settings = settings or serve_settings(tmp_path / "data", **kwargs)
+        client = TestClient(TestServer(make_app(settings)))
+        await client.start_server()
+        clients.append(client)
+        return client
+
+    yield factory
+    for client in clients:
+        await client.close()
+
+
+async def register(client: TestClient, namespace: bytes = NAMESPACE, spec=SPEC) -> None:
+    response = await client.put(ns_url(namespace), data=pack(spec_to_wire(spec)))
+    assert response.status in (200, 201), await response.text()
+
+
+class ThreadDaemon:
+    """The daemon's app on a background event loop, on a fixed port once started: stop()
+    and start() it again to play a daemon restart to a client in this process."""
+
+    def __init__(self, settings: ServeConfig) -> None:
+        self.settings = settings
+        self.port = 0
+        self.app: web.Application | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "ThreadDaemon":
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(30)
+        return self
+
+    async def _start(self) -> None:
+        self.app = make_app(self.settings)
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        self.port = self._runner.addresses[0][1]
+
+    def call(self, fn):
+        """``fn()`` on the daemon's loop thread (to look at its stores)."""
+        async def run():
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(30)
+
+    def stop(self) -> None:
+        if self._loop is None:
+            return
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+        self._loop = None
+
+
+@pytest.fixture
+def thread_daemon(tmp_path):
+    daemons: list[ThreadDaemon] = []
+
+    def factory(**kwargs) -> ThreadDaemon:
+        daemon = ThreadDaemon(serve_settings(tmp_path / "data", **kwargs)).start()
+        daemons.append(daemon)
+        return daemon
+
+    yield factory
+    for daemon in daemons:
+        daemon.stop()
+
+
+class Subprocess:
+    """``python -m kvtier serve`` on a free port; ``url`` once it listens."""
+
+    def __init__(self, data_dir: Path, *args: str, env: dict | None = None) -> None:
+        self.data_dir, self.args = data_dir, args
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+        self.log = data_dir.parent / "daemon.log"
+
+    def start(self, timeout_s: float = 60.0) -> "Subprocess":
+        command = [sys.executable, "-m", "kvtier", "serve", "--port", "0", "--data-dir", str(self.data_dir), *self.args]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, env=self.env, cwd=REPO)
+        deadline = time.monotonic() + timeout_s
+        line = b""
+        while time.monotonic() < deadline and b"\n" not in line:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.2)
+            if ready:
+                chunk = os.read(self.proc.stdout.fileno(), 4096)
+                if not chunk:
+                    break
+                line += chunk
+        text = line.decode()
+        if "listening on " not in text:
+            self.kill()
+            raise RuntimeError(f"daemon did not start: {text!r}; log: {self.log.read_text()[-2000:]}")
+        self.url = text.split("listening on ", 1)[1].split()[0]
+        return self
+
+    def kill(self, sig: int = signal.SIGKILL) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(30)
+        finally:
+            self.proc.stdout.close()
+            self.proc = None
+
+
+@pytest.fixture
+def spawn(tmp_path):
+    """``spawn(*args, data_dir=None)`` -> a started :class:`Subprocess` (SIGKILLed at teardown)."""
+    daemons: list[Subprocess] = []
+
+    def factory(*args: str, data_dir: Path | None = None, env: dict | None = None) -> Subprocess:
+        daemon = Subprocess(data_dir or tmp_path / "data", *args, env=env).start()
+        daemons.append(daemon)
+        return daemon
+
+    yield factory
+    for daemon in daemons:
+        daemon.kill()
+
+
+class CorruptingProxy:
+    """A TCP proxy to ``port`` that flips one bit in the middle of every occurrence of
+    ``pattern`` in the direction(s) asked (``to_client``: responses, ``to_server``: requests)."""
+
+    def __init__(self, port: int, pattern: bytes, to_client: bool = True, to_server: bool = False) -> None:
+        self.target, self.pattern = port, pattern
+        self.directions = (to_client, to_server)
+        self.flips = 0
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            threading.Thread(target=self._pump, args=(upstream, client, self.directions[0]), daemon=True).start()
+            threading.Thread(target=self._pump, args=(client, upstream, self.directions[1]), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, corrupt: bool) -> None:
+        tail = b""  # the last len(pattern) - 1 bytes forwarded: a pattern may straddle reads
+        size = len(self.pattern)
+        try:
+            while data := src.recv(1 << 16):
+                if corrupt:
+                    combined = bytearray(tail + data)
+                    start = 0
+                    while (i := combined.find(self.pattern, start)) >= 0:
+                        if i + size > len(tail):  # its last byte is in this read: flip that one
+                            combined[i + size - 1] ^= 0x01
+                            self.flips += 1
+                        start = i + 1
+                    data = bytes(combined[len(tail) :])
+                    tail = bytes(combined[-(size - 1) :])
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._closed = True
+        self._server.close()
+

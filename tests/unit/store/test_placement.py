@@ -1,0 +1,122 @@
+"""Placement and eviction corners: a pinned top pool, requests longer than a tier or than
+every tier, one-block tiers under write-through, the hot prefix of E1, tail-first order."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvtier.tiers.disk import DiskTier
+from tests.conftest import NS, chain, random_blocks, read_back, stored_then_reopened, tiny_spec
+
+SPEC = tiny_spec()
+
+
+def test_everything_pinned_makes_store_and_prefetch_short_not_raise(tmp_path, opened):
+    store, hashes, blocks = stored_then_reopened(opened, tmp_path, 2, gpu=2)
+    held = chain(2, SPEC, NS, start=800)
+    store.store(held, random_blocks(SPEC, 2, seed=8))
+    lease = store.lookup(held, pin=True).lease  # the whole top pool is pinned
+    assert store.load(hashes).block_ids == []
+    assert store.store(chain(1, SPEC, NS, start=900), random_blocks(SPEC, 1)) == 0
+    lease.release()
+    n, out = read_back(store, hashes)
+    assert n == 2 and torch.equal(out, blocks)
+    store.check_invariants()
+
+
+def test_request_longer_than_the_top_pool_goes_through_when_lower_tiers_have_room(make_store):
+    store = make_store(gpu_blocks=4, cpu_blocks=4, disk_blocks=8)
+    hashes, blocks = chain(10, SPEC, NS), random_blocks(SPEC, 10)
+    assert store.store(hashes, blocks) == 10
+    assert store.lookup(hashes).num_hit_blocks == 10
+    n, out = read_back(store, hashes[:4])
+    assert n == 4 and torch.equal(out, blocks[:4])
+    store.check_invariants()
+
+
+@pytest.mark.parametrize("tiers", [dict(gpu_blocks=4), dict(gpu_blocks=4, cpu_blocks=4)], ids=["gpu", "gpu+cpu"])
+def test_store_of_a_request_larger_than_all_tiers_never_claims_evicted_blocks(make_store, tiers):
+    store = make_store(**tiers)
+    hashes, blocks = chain(10, SPEC, NS), random_blocks(SPEC, 10)
+    claimed = store.store(hashes, blocks)
+    assert claimed == store.lookup(hashes).num_hit_blocks  # honest (B2): holds today
+    assert claimed >= 1  # keeps the head rather than the tail
+    n, out = read_back(store, hashes[:claimed])
+    assert torch.equal(out, blocks[:n])
+
+
+def test_write_through_with_one_block_tiers_stays_consistent(make_store):
+    store = make_store(gpu_blocks=1, cpu_blocks=1, disk_blocks=1, write_policy="write_through")
+    for r in range(6):
+        hashes, blocks = chain(3, SPEC, NS, start=100 * r), random_blocks(SPEC, 3, seed=r)
+        claimed = store.store(hashes, blocks)
+        store.wait_for_writes()
+        assert claimed >= 1
+        n, out = read_back(store, hashes[:1])
+        assert n == 1 and torch.equal(out, blocks[:1])
+    store.check_invariants()
+
+
+def test_write_through_background_write_does_not_pin_the_gpu_copy(make_store, monkeypatch):
+    real = DiskTier.write_batch
+    monkeypatch.setattr(DiskTier, "write_batch", lambda self, *a, **k: (time.sleep(0.2), real(self, *a, **k))[1])
+    store = make_store(gpu_blocks=2, cpu_blocks=8, disk_blocks=16, write_policy="write_through")
+    hashes = chain(6, SPEC, NS)
+    assert store.store(hashes, random_blocks(SPEC, 6)) == 6
+    store.wait_for_writes()
+    assert store.lookup(hashes).num_hit_blocks == 6
+
+
+def _hot_prefix_hits(store, hot_blocks, unique_blocks, uniques_between, cycles):
+    hot = chain(hot_blocks, SPEC, NS, start=10**7)
+    data = random_blocks(SPEC, hot_blocks, seed=99)
+    hits, r = [], 0
+    for _ in range(cycles):
+        n = store.lookup(hot).num_hit_blocks
+        hits.append(n)
+        if n:
+            store.load(hot[:n]).lease.release()
+        store.store(hot, data)
+        for _ in range(uniques_between):
+            r += 1
+            store.store(chain(unique_blocks, SPEC, NS, start=1000 * r), random_blocks(SPEC, unique_blocks, seed=r))
+    return hits
+
+
+@pytest.mark.parametrize("tiers", [dict(gpu_blocks=128), dict(gpu_blocks=64, cpu_blocks=64)], ids=["gpu", "gpu+cpu"])
+def test_hot_prefix_as_stated_in_e1_hits_90_percent_on_split_tiers(make_store, tiers):
+    """E1 at its own numbers: a 64-block (1,024 tokens at B=16) hot prefix every 10th request,
+    90 unique prompts totalling 3x the capacity of 128 blocks."""
+    store = make_store(**tiers)
+    hits = _hot_prefix_hits(store, hot_blocks=64, unique_blocks=4, uniques_between=9, cycles=10)
+    assert sum(hits) / (64 * len(hits)) >= 0.9 - 1e-9  # every use but the first, cold one
+
+
+def test_returning_hot_prefix_is_recognised_from_its_ghosts_before_making_room(make_store):
+    store = make_store(gpu_blocks=8)
+    hits = _hot_prefix_hits(store, hot_blocks=4, unique_blocks=4, uniques_between=3, cycles=6)
+    assert hits == [0, 0, 4, 4, 4, 4]
+
+
+def test_a_store_of_present_blocks_counts_as_a_use_regression_e1(make_store):
+    store = make_store(gpu_blocks=8)
+    a, b, c = (chain(4, SPEC, NS, start=s) for s in (0, 100, 200))
+    store.store(a, random_blocks(SPEC, 4))
+    store.store(b, random_blocks(SPEC, 4, seed=1))
+    store.store(a, random_blocks(SPEC, 4))  # the request comes again and stores its prompt
+    store.store(c, random_blocks(SPEC, 4, seed=2))
+    assert all(h in store.top for h in a) and not any(h in store.top for h in b)
+
+
+def test_tail_first_eviction_order_within_a_request(make_store):
+    store = make_store(gpu_blocks=4)
+    first = chain(4, SPEC, NS)
+    store.store(first, random_blocks(SPEC, 4))
+    store.store(chain(1, SPEC, NS, start=500), random_blocks(SPEC, 1))
+    assert [h in store.top for h in first] == [True, True, True, False]
+    store.store(chain(1, SPEC, NS, start=600), random_blocks(SPEC, 1))
+    assert [h in store.top for h in first] == [True, True, False, False]
+

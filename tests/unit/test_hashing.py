@@ -1,0 +1,121 @@
+"""Keys: chaining, namespaces, stability (cases K2, K4, B3)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.hashing import KeyContext, block_hashes_for, hash_block_tokens
+
+NS = KeyContext(model_id="m").namespace()
+
+
+def test_chaining_changes_later_hashes_not_earlier():
+    tokens = list(range(64))
+    base = block_hashes_for(tokens, NS, 16)
+    changed = list(tokens)
+    changed[2 * 16 + 5] += 1  # a token in block 2
+    other = block_hashes_for(changed, NS, 16)
+    assert other[:2] == base[:2]
+    assert all(a != b for a, b in zip(other[2:], base[2:]))
+
+
+def test_same_block_in_another_position_hashes_differently():
+    tokens = [7] * 32  # two identical blocks
+    h0, h1 = block_hashes_for(tokens, NS, 16)
+    assert h0 != h1
+
+
+def test_partial_tail_is_not_keyed_regression_b3():
+    assert len(block_hashes_for(list(range(3 * 16 + 5)), NS, 16)) == 3
+    assert block_hashes_for(list(range(15)), NS, 16) == []
+
+
+def test_hash_lengths_and_xxh3_option():
+    (h,) = block_hashes_for(list(range(16)), NS, 16)
+    (x,) = block_hashes_for(list(range(16)), NS, 16, hash_name="xxh3_128")
+    assert len(h) == 32 and len(x) == 16
+
+
+def test_bad_input_raises_value_error():
+    with pytest.raises(ValueError, match="non-negative"):
+        block_hashes_for([1, -2, 3, 4], NS, 2)
+    with pytest.raises(ValueError, match="block_size"):
+        block_hashes_for([1, 2], NS, 0)
+    with pytest.raises(ValueError, match="hash"):
+        hash_block_tokens(NS, [1, 2], hash_name="md5")
+    with pytest.raises(ValueError):
+        KeyContext(model_id="")
+    with pytest.raises(ValueError):
+        KeyContext(model_id="m", tp_rank=1, tp_size=1)
+
+
+_SCRIPT = (
+    "from kvtier.hashing import KeyContext, block_keys_for;"
+    "from kvtier.model_keys import kv_config_bytes, kv_config_fields;"
+    "from transformers import Gemma3TextConfig;"
+    "kv = kv_config_bytes(kv_config_fields(Gemma3TextConfig(), kv_cache_dtype='bfloat16'));"
+    "ns = KeyContext(model_id='m', lora_name='a', cache_salt='s', kv_config=kv).namespace();"
+    "hs, fps = block_keys_for(list(range(100)), ns, 16);"
+    "print(ns.hex(), *[h.hex() for h in hs], *[f.hex() for f in fps])"
+)
+
+
+@pytest.mark.slow  # Python subprocesses
+def test_hashes_stable_across_processes_and_hash_seeds_regression_k4():
+    outputs = []
+    for seed in ("0", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        out = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, check=True)
+        outputs.append(out.stdout.split())
+    assert outputs[0] == outputs[1]
+    assert len(outputs[0]) == 1 + 2 * (100 // 16)  # namespace, hashes, token fingerprints
+    # and this process agrees with both
+    from transformers import Gemma3TextConfig
+
+    from kvtier.model_keys import kv_config_bytes, kv_config_fields
+
+    kv = kv_config_bytes(kv_config_fields(Gemma3TextConfig(), kv_cache_dtype="bfloat16"))
+    ns = KeyContext(model_id="m", lora_name="a", cache_salt="s", kv_config=kv).namespace()
+    assert outputs[0][0] == ns.hex()
+
+
+def test_lora_name_and_cache_salt_never_collide_regression_k2():
+    lora = KeyContext(model_id="m", lora_name="x").namespace()
+    salt = KeyContext(model_id="m", cache_salt="x").namespace()
+    none = KeyContext(model_id="m").namespace()
+    empty = KeyContext(model_id="m", cache_salt="").namespace()
+    assert len({lora, salt, none, empty}) == 4
+
+
+_text = st.one_of(st.none(), st.text(max_size=6))
+_contexts = st.builds(
+    KeyContext,
+    model_id=st.text(min_size=1, max_size=6),
+    model_revision=st.text(max_size=6),
+    dtype=st.sampled_from(["float32", "float16", "bfloat16"]),
+    kv_layout=st.sampled_from(["LKVTHD", "other"]),
+    block_size=st.sampled_from([1, 16, 32]),
+    tp_rank=st.just(0),
+    tp_size=st.integers(1, 4),
+    lora_name=_text,
+    lora_version=_text,
+    cache_salt=_text,
+    hash_name=st.sampled_from(["sha256", "xxh3_128"]),
+    kv_config=st.one_of(st.just(b""), st.binary(max_size=6)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=_contexts, b=_contexts)
+def test_any_two_key_contexts_that_differ_give_different_first_block_hashes(a, b):
+    tokens = list(range(32))
+    ha = block_hashes_for(tokens, a.namespace(), a.block_size, a.hash_name)[0]
+    hb = block_hashes_for(tokens, b.namespace(), b.block_size, b.hash_name)[0]
+    assert (ha == hb) == (dataclasses.astuple(a) == dataclasses.astuple(b))
