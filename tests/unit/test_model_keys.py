@@ -45,7 +45,7 @@ def same_meaning(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(base=_configs, field=st.sampled_from(KV_CONFIG_FIELDS), value=_values)
 def test_contexts_that_differ_in_any_kv_config_field_give_different_namespaces(base, field, value):
     changed = dict(base)
@@ -56,7 +56,7 @@ def test_contexts_that_differ_in_any_kv_config_field_give_different_namespaces(b
     assert (namespace_of(changed, "same-revision") == namespace_of(base, "same-revision")) == same
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(base=_configs)
 def test_the_encoding_is_canonical_key_order_and_number_types(base):
     reordered = dict(reversed(list(base.items())))

@@ -73,6 +73,7 @@ def test_rope_change_under_one_explicit_revision_misses_and_matches_cold(config)
         conn.close()
 
 
+@pytest.mark.slow  # three generate runs of a tiny model; the RoPE test is the fast lane's
 def test_a_block_hash_collision_never_serves_another_prompts_kv(monkeypatch, config):
     """Issue 11, item 5: a hit was decided by the block hash alone. With a weak hash against
     an adversary (simulated: a block hash that ignores the tokens, so every prompt of one

@@ -69,6 +69,7 @@ def greedy(model, ids, pixels, connector=None, max_new_tokens=6):
     return out[0, ids.shape[1]:].tolist(), plan
 
 
+@pytest.mark.slow  # generate runs of a tiny LLaVA; the other-image miss is the fast lane's
 def test_the_same_image_hits_and_output_equals_cold(llava, connector):
     ids, pixels = prompt(5, 30), image(1)
     first, plan = greedy(llava, ids, pixels, connector)
@@ -89,6 +90,7 @@ def test_the_same_token_ids_with_another_image_miss_from_the_image_on(llava, con
     assert other != greedy(llava, ids, image(1))[0]  # the image matters to the output
 
 
+@pytest.mark.slow  # generate runs of a tiny LLaVA; the other-image miss is the fast lane's
 def test_a_hit_never_ends_inside_an_image(llava, connector):
     """transformers embeds an image only in the prefill that holds its whole placeholder
     run: a cached prefix ending inside the run would leave the rest of the image unembedded
