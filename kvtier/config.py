@@ -78,6 +78,9 @@ class StoreConfig:
     the URL."""
     remote_timeout_s: float = 2.0
     """Seconds before a REMOTE call gives up; a timed-out read is a miss, never an error."""
+    trace_path: Path | None = None
+    """Opt-in: append every counted lookup, load and store (block hashes only, no token ids)
+    to this JSONL file, for ``kvtier replay`` (kvtier.store.trace). ``None``: no trace."""
 
     def __post_init__(self) -> None:
         for name in ("gpu_bytes", "cpu_bytes", "disk_bytes"):
@@ -91,6 +94,8 @@ class StoreConfig:
         if self.write_policy not in get_args(WritePolicy):
             raise ValueError(f"expected write_policy in {get_args(WritePolicy)}, got {self.write_policy!r}")
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
+        if self.trace_path is not None:
+            object.__setattr__(self, "trace_path", Path(self.trace_path).expanduser())
         if self.remote_url is not None and not re.match(r"^(https?|redis|rediss|redis\+cluster)://[^/\s]+", str(self.remote_url)):
             raise ValueError(f"expected remote_url like http://127.0.0.1:8765 or redis://127.0.0.1:6379/0, got {self.remote_url!r}")
         timeout = self.remote_timeout_s

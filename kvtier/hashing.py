@@ -115,8 +115,12 @@ class KeyContext:
         return msgpack.packb([[f.name, values[f.name]] for f in fields(self)], use_bin_type=True)
 
     def namespace(self) -> bytes:
-        """32-byte SHA-256 digest of the key context: the root of every block hash chain."""
-        return hashlib.sha256(_NAMESPACE_DOMAIN + self.canonical_bytes()).digest()
+        """32-byte SHA-256 digest of the key context: the root of every block hash chain.
+        The context is remembered (:func:`known_context`) so that a miss can say which field
+        differs from another namespace that stored the same tokens."""
+        namespace = hashlib.sha256(_NAMESPACE_DOMAIN + self.canonical_bytes()).digest()
+        _remember_context(namespace, self)
+        return namespace
 
 
 def _block_body(token_ids: Sequence[int] | np.ndarray, extra_keys: bytes) -> bytes:
@@ -235,3 +239,56 @@ def block_keys_for(
         hashes.append(parent)
         fingerprints.append(parent_fp)
     return hashes, fingerprints
+
+
+# -- what explains a miss: content keys and the contexts seen in this process -----------------
+_CONTENT_DOMAIN = b"kvtier/content/v1"
+KNOWN_CONTEXTS = 256
+"""Key contexts remembered per process (namespace -> context), most recent last."""
+_contexts: dict[bytes, KeyContext] = {}
+
+
+def _remember_context(namespace: bytes, context: KeyContext) -> None:
+    if _contexts.get(namespace) is context:
+        return
+    _contexts.pop(namespace, None)
+    _contexts[namespace] = context
+    while len(_contexts) > KNOWN_CONTEXTS:
+        del _contexts[next(iter(_contexts))]
+
+
+def known_context(namespace: bytes) -> KeyContext | None:
+    """The key context whose ``namespace()`` this process computed recently, if any."""
+    return _contexts.get(namespace)
+
+
+def context_difference(a: KeyContext, b: KeyContext) -> dict[str, tuple[object, object]]:
+    """Fields whose values differ between two key contexts: ``{name: (a's, b's)}``."""
+    va, vb = asdict(a), asdict(b)
+    return {f.name: (va[f.name], vb[f.name]) for f in fields(a) if va[f.name] != vb[f.name]}
+
+
+def content_keys(
+    token_ids: Sequence[int] | np.ndarray, block_size: int, extra_keys: Sequence[bytes] | None = None
+) -> list[bytes]:
+    """Namespace-free chained digests of every full block of ``token_ids`` (8-byte xxh3-64):
+    the same tokens give the same keys under every model, dtype, LoRA or salt, so a miss can
+    tell "stored under another namespace" from "never stored". Never a cache key (64 bits,
+    no namespace): only an index for explanations.
+
+    Args:
+        token_ids: ``[num_tokens]`` ints; the partial tail gets no key.
+        block_size: tokens per block.
+        extra_keys: per-block extra key bytes, as given to :func:`block_hashes_for`.
+    """
+    import xxhash
+
+    tokens = np.ascontiguousarray(np.asarray(token_ids, dtype=np.int64).reshape(-1), dtype="<i8")
+    num_blocks = tokens.size // block_size
+    keys: list[bytes] = []
+    parent = _CONTENT_DOMAIN
+    for i in range(num_blocks):
+        extra = extra_keys[i] if extra_keys is not None else b""
+        parent = xxhash.xxh3_64_digest(parent + tokens[i * block_size : (i + 1) * block_size].tobytes() + extra)
+        keys.append(parent)
+    return keys

@@ -13,9 +13,10 @@ Usage from a library (an engine mounts the registry, or serves a port)::
     metrics.start_http_server(9400)            # or mount prometheus_client.make_asgi_app()
 
 Names (Prometheus conventions: ``kvtier_`` prefix, unit in the name, ``_total`` for counters,
-counters rather than rates); every series has a ``namespace`` label (the store's name; the
-first 16 hex digits of its 32-byte namespace by default). Tokens are ``blocks * block_size``
-(full blocks only: a partial tail block is never cached).
+counters rather than rates); every series has a ``namespace`` label (the store's name: its
+``store.name``, the model id a connector sets, else the first 16 hex digits of its 32-byte
+namespace). Tokens are ``blocks * block_size`` (full blocks only: a partial tail block is
+never cached), except ``kvtier_miss_tokens_total``'s ``partial_tail``.
 
 ==============================================  =================  ==============================
 metric                                          labels             meaning
@@ -34,12 +35,16 @@ kvtier_spilled_blocks_total                     src, dst           copied one ti
                                                                    victims, write-through copies)
 kvtier_load_failures_total                      tier, reason       blocks whose load failed
                                                                    (missing, corrupt, timeout, ...)
+kvtier_miss_tokens_total                        reason, tier       prompt tokens not served, by
+                                                                   why (kvtier.store.misses; tier
+                                                                   "" where none applies)
 kvtier_store_failures_total                     reason             background writes that failed
 kvtier_remote_errors_total                      reason             REMOTE backend errors
 kvtier_moved_bytes_total                        src, dst           block bytes moved per path
 kvtier_engine_computed_tokens_total,                               prompt tokens prefilled, TTFT
-kvtier_ttft_saved_seconds_total                                    saved (when a connector counts
-                                                                   them in ``store.stats``)
+kvtier_ttft_saved_seconds_total,                                   saved and lost to loads slower
+kvtier_ttft_lost_seconds_total                                     than a prefill (when a connector
+                                                                   counts them: kvtier.connectors.ttft)
 kvtier_used_blocks / _used_bytes / _capacity_bytes  tier           occupancy gauges
 kvtier_block_size_tokens, kvtier_block_bytes                       the block's size
 kvtier_operation_duration_seconds (histogram)   op                 lookup, load, store latency
@@ -65,6 +70,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvtier.records import ReadStatus
+from kvtier.store.misses import NEVER_STORED, OTHER_NAMESPACE, PARTIAL_TAIL
 
 if TYPE_CHECKING:
     from kvtier.store import TieredStore
@@ -100,9 +106,12 @@ class StoreFigures:
         moved_blocks: by ``(src, dst)``: stores, REMOTE puts, spills and loads (see module doc).
         usage: ``store.usage()``: per tier ``blocks``, ``used_bytes``, ``capacity_bytes``.
         remote_errors: the REMOTE backend's ``errors`` by reason (empty without one).
+        miss_tokens: tokens not served by ``(reason, tier)`` (kvtier.store.misses).
         engine_computed_tokens, ttft_saved_s: prompt tokens the engine prefilled itself and the
             prefill seconds the cache saved, when the store's stats carry them (fields
             ``computed_tokens`` and ``ttft_saved_s``, counted by a connector); else ``None``.
+        ttft_lost_s: seconds loads took beyond what recomputing would have (0 until counted).
+        name: the store's display name (``store.name``), or ``None``.
     """
 
     block_size: int
@@ -120,8 +129,11 @@ class StoreFigures:
     moved_blocks: dict[tuple[str, str], int] = field(default_factory=dict)
     usage: dict[str, dict[str, int]] = field(default_factory=dict)
     remote_errors: dict[str, int] = field(default_factory=dict)
+    miss_tokens: dict[tuple[str, str], int] = field(default_factory=dict)
     engine_computed_tokens: int | None = None
     ttft_saved_s: float | None = None
+    ttft_lost_s: float = 0.0
+    name: str | None = None
 
 
 def _copy(counter: Mapping) -> dict:
@@ -155,6 +167,7 @@ def figures(store: "TieredStore") -> StoreFigures:
     f.stored_blocks = _by_tier(stats.stored_blocks)
     f.evicted_blocks = _by_tier(stats.evicted_blocks)
     f.store_failures = _by_tier(stats.store_failures)
+    f.miss_tokens = {(str(r), str(t)): int(n) for (r, t), n in _copy(getattr(stats, "miss_tokens", {})).items()}
     by_tier = getattr(stats, "load_failures_by_tier", None)
     for key, n in _copy(by_tier or stats.load_failures).items():
         tier, reason = (str(key[0]), str(key[1])) if isinstance(key, tuple) else ("", str(key))
@@ -179,14 +192,17 @@ def figures(store: "TieredStore") -> StoreFigures:
     computed, saved = getattr(stats, "computed_tokens", None), getattr(stats, "ttft_saved_s", None)
     f.engine_computed_tokens = None if computed is None else int(computed)
     f.ttft_saved_s = None if saved is None else float(saved)
+    f.ttft_lost_s = float(getattr(stats, "ttft_lost_s", 0.0))
+    f.name = getattr(store, "name", None)
     if remote is not None:
         f.remote_errors = _by_tier(getattr(remote, "errors", {}))
     return f
 
 
 def store_name(store: "TieredStore") -> str:
-    """Default ``namespace`` label: the first 16 hex digits of the store's namespace."""
-    return store.namespace.hex()[:16]
+    """Default ``namespace`` label: ``store.name`` (a connector sets the model id) when set,
+    else the first 16 hex digits of the store's namespace."""
+    return getattr(store, "name", None) or store.namespace.hex()[:16]
 
 
 # -- the collector --------------------------------------------------------------------------------
@@ -238,6 +254,10 @@ def _add_store(out: _Families, name: str, f: StoreFigures) -> None:
     for (tier, reason), n in failures.items():
         c("kvtier_load_failures", "Blocks whose load failed (a miss, recomputed), by tier and reason.",
           ("tier", "reason"), (name, tier, reason), n)
+    for (reason, tier), n in {**{(r, ""): 0 for r in (NEVER_STORED, OTHER_NAMESPACE, PARTIAL_TAIL)},
+                              **f.miss_tokens}.items():
+        c("kvtier_miss_tokens", "Prompt tokens not served from the cache, by reason and tier.", ("reason", "tier"),
+          (name, reason, tier), n)
     for reason, n in f.store_failures.items():
         c("kvtier_store_failures", "Blocks whose background write failed, by reason.", ("reason",), (name, reason), n)
     for reason, n in f.remote_errors.items():
@@ -256,6 +276,8 @@ def _add_store(out: _Families, name: str, f: StoreFigures) -> None:
     if f.ttft_saved_s is not None:
         c("kvtier_ttft_saved_seconds", "Prefill time the cache saved (estimated by the connector).", (), (name,),
           f.ttft_saved_s)
+        c("kvtier_ttft_lost_seconds", "Load time beyond what recomputing would have taken (by the connector).", (),
+          (name,), f.ttft_lost_s)
     g("kvtier_block_size_tokens", "Tokens per block.", (), (name,), f.block_size)
     g("kvtier_block_bytes", "Bytes of one block.", (), (name,), f.block_nbytes)
 
@@ -266,7 +288,8 @@ _DESCRIBED = (
         "kvtier_hit_blocks", "kvtier_hit_tokens", "kvtier_loaded_blocks", "kvtier_loaded_tokens",
         "kvtier_stored_blocks", "kvtier_stored_tokens", "kvtier_evicted_blocks", "kvtier_spilled_blocks",
         "kvtier_load_failures", "kvtier_store_failures", "kvtier_remote_errors", "kvtier_moved_bytes",
-        "kvtier_engine_computed_tokens", "kvtier_ttft_saved_seconds")]
+        "kvtier_engine_computed_tokens", "kvtier_ttft_saved_seconds", "kvtier_ttft_lost_seconds",
+        "kvtier_miss_tokens")]
     + [(n, GaugeMetricFamily) for n in (
         "kvtier_used_blocks", "kvtier_used_bytes", "kvtier_capacity_bytes", "kvtier_block_size_tokens",
         "kvtier_block_bytes")]
@@ -354,9 +377,13 @@ class KvtierMetrics:
         """Export ``store`` under ``namespace=name`` (default :func:`store_name`) and
         hook its latency. Returns the name. Raises ``ValueError`` if the name is taken by
         another store."""
+        chosen = name is None
         name = store_name(store) if name is None else name
         with self._lock:
             other = self._added.get(name)
+            if chosen and other is not None and other is not store:  # two stores of one model id
+                name = f"{name}@{store.namespace.hex()[:8]}"
+                other = self._added.get(name)
             if other is not None and other is not store:
                 raise ValueError(f"expected a new namespace label, got {name!r} (already another store's)")
             self._added[name] = store

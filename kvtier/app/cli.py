@@ -2,8 +2,12 @@
 
 Commands:
     demo    multi-turn ShareGPT chats with and without kvtier: TTFT, hits per tier, identity.
+    clear   empty the DISK tier of a data dir that no running store has open.
     serve   the cache daemon: a shared KV cache over HTTP (kvtier.server).
+    serve-model  an OpenAI-compatible chat server on transformers' continuous batching, kvtier underneath.
     stats   hit rate, hits per tier, occupancy, bytes moved: tables from a daemon or a data dir.
+    explain block by block, where a prompt would hit and why the rest would miss.
+    replay  hit rate per tier against capacity (kvtier's SLRU and LRU) from a trace: sizing.
 
 Store options (``--gpu-bytes`` ... ``--flush-on-close``) map one to one onto
 :class:`kvtier.config.StoreConfig` fields and their ``KVTIER_*`` environment variables.
@@ -78,6 +82,15 @@ def main() -> None:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Draw TTFT per turn without and with kvtier as a PNG here (needs matplotlib).")
 @click.option("--fresh", is_flag=True, help="Delete the DISK tier (<data-dir>/disk) before running.")
+@click.option("--engine", type=click.Choice(["sequential", "continuous"]), default="sequential", show_default=True,
+              help="sequential: one request at a time through model.generate; continuous: --users concurrent users "
+                   "on transformers' continuous batching (a pass without kvtier, then one with it).")
+@click.option("--users", type=click.IntRange(1), default=8, show_default=True,
+              help="Concurrent users (--engine continuous), one ShareGPT conversation each.")
+@click.option("--think-time", "think_s", type=click.FloatRange(0), default=0.5, show_default=True,
+              help="Seconds a user waits between an answer and its next turn (--engine continuous).")
+@click.option("--page-size", type=click.IntRange(4), default=64, show_default=True,
+              help="Tokens per paged block of transformers' cache (--engine continuous; a multiple of --block-size).")
 @config_options
 def demo(**kwargs: Any) -> None:
     """Run ShareGPT chats through a model twice per turn - full prefill, then with kvtier -
@@ -114,12 +127,17 @@ def demo(**kwargs: Any) -> None:
     started = time.perf_counter()
     progress = _Progress(console)
     try:
-        report = run_demo(options, config, fresh=kwargs["fresh"], progress=progress, console=console)
+        if kwargs["engine"] == "continuous":
+            report = _run_continuous(options, config, kwargs, console)
+        else:
+            report = run_demo(options, config, fresh=kwargs["fresh"], progress=progress, console=console)
     except (ModelNotInstalledError, DatasetNotInstalledError, UnsupportedModelError) as exc:
         raise click.ClickException(str(exc)) from exc
     finally:
         progress.stop()
     _print_report(report, console, time.perf_counter() - started)
+    if kwargs["engine"] == "continuous":
+        _print_concurrency(report, console)
     if kwargs["json_path"]:
         report.write_json(kwargs["json_path"])
         console.print(f"results written to {kwargs['json_path']}")
@@ -154,6 +172,103 @@ def serve(**kwargs: Any) -> None:
         run(settings, announce=lambda line: click.echo(line))
     except (RuntimeError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None, envvar="KVTIER_DATA_DIR",
+              help="The store's data dir (its DISK tier is <data-dir>/disk). Default: env KVTIER_DATA_DIR, "
+                   "else ~/.cache/kvtier.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def clear(data_dir: Path | None, yes: bool) -> None:
+    """Empty the DISK tier of a data dir: every block record dropped in one transaction and
+    fsynced (kvtier.store.clear_data_dir). Refused while a process has the store open: empty
+    a running store with TieredStore.reset() (vLLM: reset_prefix_cache(reset_connector=True);
+    HFConnector.reset()). Blocks in a REMOTE tier are not touched here (a daemon empties its
+    namespaces through its admin API)."""
+    from kvtier.config import default_data_dir
+
+    path = (data_dir or default_data_dir()).expanduser()
+    if not yes:
+        click.confirm(f"Drop every block in {path / 'disk'}?", abort=True)
+    from kvtier.store import clear_data_dir
+
+    try:
+        dropped = clear_data_dir(path)
+    except (FileNotFoundError, RuntimeError, ImportError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"dropped {dropped} blocks from {path / 'disk'}")
+
+
+@main.command("serve-model")
+@click.argument("model", type=click.Choice(MODEL_NAMES), default="smollm2")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (no auth: keep it on loopback "
+              "or behind a proxy).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="TCP port (0: any free one).")
+@click.option("--no-kvtier", is_flag=True, help="Serve with transformers' continuous batching alone (its own prefix "
+              "sharing on): the baseline.")
+@click.option("--page-size", type=click.IntRange(4), default=256, show_default=True,
+              help="Tokens per paged block of transformers' cache (a multiple of --block-size).")
+@click.option("--num-blocks", type=click.IntRange(1), default=None,
+              help="Paged blocks of transformers' cache (default: --paged-cache-bytes worth).")
+@click.option("--paged-cache-bytes", default="1GiB", show_default=True,
+              help="Size of transformers' paged cache (the device cache) when --num-blocks is not given.")
+@click.option("--max-batch-tokens", type=click.IntRange(1), default=None,
+              help="Tokens per forward pass (default: transformers').")
+@click.option("--sampling", type=click.Choice(["greedy", "sample"]), default="greedy", show_default=True,
+              help="greedy: argmax for every request (temperature must be 0 or absent); sample: per-request "
+                   "temperature and top_p.")
+@click.option("--seed", type=int, default=None, help="Seed of the sampler (--sampling sample).")
+@click.option("--default-max-tokens", type=click.IntRange(1), default=256, show_default=True,
+              help="max_completion_tokens of a request that names none.")
+@click.option("--max-tokens-limit", type=click.IntRange(1), default=4096, show_default=True,
+              help="Largest max_completion_tokens accepted.")
+@click.option("--load-deadline-s", type=click.FloatRange(0), default=2.0, show_default=True,
+              help="How long a request waits for its kvtier load (DISK/REMOTE) before computing instead.")
+@click.option("--served-name", "served_names", multiple=True,
+              help="Extra name clients may send as 'model' (repeatable); the model's short and full names always work.")
+@click.option("--threads", "num_threads", type=click.IntRange(1), default=None, help="torch.set_num_threads.")
+@config_options
+def serve_model(**kwargs: Any) -> None:
+    """Serve MODEL (smollm2, tiny-llama, tiny-qwen3: full-attention models; the others are
+    refused unless --no-kvtier) over an OpenAI-compatible API (/v1/chat/completions,
+    streaming or not) on transformers' continuous batching, with kvtier's tiers under its paged
+    cache: hits are loaded straight into the requests' paged blocks, every computed block is
+    stored, and SIGINT/SIGTERM flushes the memory tiers to DISK for the next server process.
+    --remote-url shares blocks with other processes through `kvtier serve` or Redis."""
+    from kvtier.app.serve_model import run_from_cli
+
+    try:
+        config = None if kwargs["no_kvtier"] else config_from_cli(kwargs)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    try:
+        run_from_cli(kwargs, config, announce=lambda line: click.echo(line))
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _run_continuous(options: Any, config: Any, kwargs: dict[str, Any], console: Any) -> Any:
+    from kvtier.app.cb_engine import EngineOptions
+    from kvtier.app.demo_continuous import ContinuousOptions, run_continuous_demo
+
+    if kwargs["page_size"] % config.block_size:
+        raise click.UsageError(f"--page-size ({kwargs['page_size']}) must be a multiple of --block-size ({config.block_size})")
+    engine = EngineOptions(page_size=kwargs["page_size"], paged_cache_bytes=256 << 20, max_batch_tokens=1024)
+    cont = ContinuousOptions(users=kwargs["users"], think_s=kwargs["think_s"], engine=engine)
+    console.print(f"{cont.users} concurrent users on transformers' continuous batching (page size {engine.page_size}); "
+                  "pass 1 without kvtier, pass 2 with it on the same prompts ...")
+    return run_continuous_demo(options, config, cont, fresh=kwargs["fresh"], console=console)
+
+
+def _print_concurrency(report: Any, console: Any) -> None:
+    for name in ("without", "with"):
+        c = report.concurrency[name]
+        cached = ", ".join(f"{k} {v}" for k, v in sorted(c["cached_tokens_by_source"].items())) or "none"
+        console.print(
+            f"concurrency, {name} kvtier: {c['requests']} requests in {c['wall_s']:.1f} s, in flight max "
+            f"{c['max_in_flight']} / mean {c['mean_in_flight']:.1f}, {c['output_tokens_per_s']:.1f} output tok/s, "
+            f"TTFT p50 {_s(c['ttft_p50_s'])}, inter-token p50 {_s(c['inter_token_latency_p50_s'])}; cached: {cached}",
+            highlight=False)
 
 
 def _demo_options(kwargs: dict[str, Any]) -> "Any":
@@ -278,9 +393,13 @@ def _x(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
 
 
+from kvtier.app.explain_cli import explain as _explain  # noqa: E402  (kvtier explain)
+from kvtier.app.replay_cli import replay as _replay  # noqa: E402  (kvtier replay)
 from kvtier.app.stats_cli import stats as _stats  # noqa: E402  (kvtier stats)
 
 main.add_command(_stats)
+main.add_command(_explain)
+main.add_command(_replay)
 
 if __name__ == "__main__":
     main()

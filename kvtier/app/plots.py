@@ -4,6 +4,7 @@
   from the demo's JSON document (:meth:`kvtier.app.demo.DemoReport.summary`).
 - :func:`plot_bench`: each benchmark row's value beside its same-run baseline, one panel per
   unit, from a benchmark's ``{"bench", "rows"}`` document (:mod:`bench.common`).
+- :func:`plot_replay`: ``kvtier replay``'s miss-ratio curves, one panel per tier.
 
 Both read the JSON documents the commands write, so saved results can be drawn again::
 
@@ -110,6 +111,50 @@ def plot_bench(doc: Mapping[str, Any], path: str | Path) -> Path:
         ax.set_xlim(0, max(values + baselines) * 1.3 or 1)
     axes[0, 0].set_title(f"kvtier bench: {doc.get('bench', '?')} (value vs same-run baseline)")
     axes[0, 0].legend(loc="lower right", fontsize=8)
+    return _save(fig, plt, path)
+
+
+def plot_replay(doc: Mapping[str, Any], path: str | Path) -> Path:
+    """Miss-ratio curves of ``kvtier replay``: per tier, the hit rate of that tier and the
+    faster ones against its capacity (log scale), kvtier's policy solid, plain LRU dashed,
+    the run's own capacity and the recommended one marked.
+
+    Args:
+        doc: ``kvtier replay --json``'s document (``rows``, ``recommendations``, ``trace``).
+        path: the PNG to write.
+
+    Raises:
+        ValueError: no rows.
+    """
+    rows = list(doc.get("rows", []))
+    if not rows:
+        raise ValueError("expected replay rows, got none")
+    plt = _pyplot()
+    tiers = [t for t in ("GPU", "CPU", "DISK") if any(r["tier"] == t for r in rows)]
+    fig, axes = plt.subplots(1, len(tiers), figsize=(5 * len(tiers), 4.2), squeeze=False)
+    colors = {"GPU": "#16a34a", "CPU": "#2563eb", "DISK": "#ea580c"}
+    for ax, tier in zip(axes[0], tiers):
+        for policy, style in (("kvtier", "o-"), ("lru", "s--")):
+            curve = sorted((r for r in rows if r["tier"] == tier and r["policy"] == policy),
+                           key=lambda r: r["capacity_blocks"])
+            if curve:
+                ax.plot([r["capacity_blocks"] for r in curve], [100 * r["cumulative_hit_rate"] for r in curve], style,
+                        color=colors[tier], alpha=1.0 if policy == "kvtier" else 0.55, label=f"{policy}")
+        for r in rows:
+            if r["tier"] == tier and r["configured"] and r["policy"] == "kvtier":
+                ax.axvline(r["capacity_blocks"], color="#6b7280", lw=1, ls=":", label="the run's capacity")
+        for rec in doc.get("recommendations", []):
+            if rec["tier"] == tier and rec["policy"] == "kvtier":
+                ax.plot([rec["capacity_blocks"]], [100 * rec["cumulative_hit_rate"]], "*", ms=14, color="#111827",
+                        label="recommended")
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{tier} capacity (blocks)")
+        ax.set_ylabel(f"hit rate, {tier} and faster tiers (%)")
+        ax.set_ylim(0, 100)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    trace = doc.get("trace", {})
+    fig.suptitle(f"kvtier replay: {trace.get('source', '')} ({trace.get('block_requests', 0):,} block requests)")
     return _save(fig, plt, path)
 
 

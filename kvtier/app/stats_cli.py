@@ -9,6 +9,11 @@
   running process has open is refused with a message (the DISK tier allows one owner: see
   ``kvtier.tiers.disk``); the scan itself holds a shared lock for its few milliseconds.
 
+The output fits 80 columns whatever the terminal's width. A namespace is named by its
+store's display name (``name``: the model id a connector sets) when the document has one;
+per tier, hits and tokens served come in tokens and in blocks side by side (tokens = blocks x
+block_size), with the tokens missed by reason (kvtier.store.misses).
+
 ``--watch`` redraws every ``--interval`` seconds until Ctrl-C; ``--json`` prints the document.
 """
 
@@ -140,68 +145,92 @@ def _short(name: str) -> str:
     return name if len(name) <= 20 else name[:16] + "…"
 
 
-def render(doc: dict[str, Any], source: str) -> Any:
-    """The rich renderable for a stats document (daemon) or a data-dir document."""
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
+WIDTH = 80
+"""Every line fits this many columns (whatever the terminal's width)."""
 
+
+def _wrap(text: str, indent: str = "  ") -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, WIDTH, subsequent_indent=indent) or [""]
+
+
+def namespace_lines(name: str, s: dict[str, Any]) -> list[str]:
+    """One namespace (or the total): its figures, then a row per tier in tokens and in blocks
+    (tokens = blocks x block_size: the two always agree)."""
+    bs = s.get("block_size")
+    title = f"{s.get('name') or _short(name)}: {_int(s['lookup_tokens'])} tokens looked up, hit rate {_pct(s['hit_rate'])}"
+    lines = _wrap(title + (f", block_size {bs}" if bs else ""))
+    ttft, lost = s.get("ttft_saved_s"), s.get("ttft_lost_s") or 0.0
+    engine = s.get("engine_computed_tokens")
+    facts = [f"not cached {_int(s['computed_tokens'])} tokens"]
+    if engine is not None:
+        facts.append(f"engine prefilled {_int(engine)}")
+    facts.append("TTFT saved n/a (no connector reports it)" if ttft is None else
+                 f"TTFT saved {ttft:.1f} s" + (f" (loads cost {lost:.1f} s more than recomputing)" if lost >= 0.05 else ""))
+    lines += _wrap("  " + "; ".join(facts), "    ")
+    missed = s.get("miss_tokens") or []
+    if missed:
+        parts = [f"{m['reason']}{'@' + m['tier'] if m['tier'] else ''} {_int(m['tokens'])}" for m in missed]
+        lines += _wrap("  missed tokens: " + ", ".join(parts), "    ")
+    lines.append(f"  {'tier':<5}{'hit tok':>11}{'blocks':>9}{'served tok':>12}{'blocks':>9}{'stored tok':>12}"
+                 f"{'evicted blk':>12}")
+    for t in s.get("tier_names") or list(s["tiers"]):
+        blocks = {k: s.get(k, {}).get(t) for k in ("hit_blocks", "served_blocks")}
+        if bs:  # an older document without block counts: derive them (exact per namespace)
+            blocks = {k: v if v is not None else s[k.replace("blocks", "tokens")].get(t, 0) // bs
+                      for k, v in blocks.items()}
+        lines.append(f"  {t:<5}{_int(s['hit_tokens'].get(t, 0)):>11}{_int(blocks['hit_blocks']):>9}"
+                     f"{_int(s['served_tokens'].get(t, 0)):>12}{_int(blocks['served_blocks']):>9}"
+                     f"{_int(s['stored_tokens'].get(t, 0)):>12}{_int(s['evicted_blocks'].get(t, 0)):>12}")
+    return lines
+
+
+def render_lines(doc: dict[str, Any], source: str) -> list[str]:
+    """The stats of a daemon (or engine) document, or of a data-dir document, as lines of at
+    most :data:`WIDTH` columns."""
     when = time.strftime("%H:%M:%S", time.localtime(doc.get("time", time.time())))
     if doc.get("source") == "data-dir":
-        table = Table(title=f"kvtier DISK tier at {doc['path']} (as of {when})", title_justify="left")
-        for name in ("namespace", "blocks", "used", "block bytes"):
-            table.add_column(name, justify="left" if name == "namespace" else "right")
+        lines = _wrap(f"kvtier DISK tier at {doc['path']} (as of {when})")
+        lines.append(f"  {'namespace':<20}{'blocks':>10}{'used':>12}{'block bytes':>14}")
         for ns, entry in doc["namespaces"].items():
             disk = entry["tiers"]["DISK"]
-            table.add_row(_short(ns), _int(disk["blocks"]), _bytes(disk["used_bytes"]), _bytes(entry["block_bytes"]))
+            lines.append(f"  {_short(ns):<20}{_int(disk['blocks']):>10}{_bytes(disk['used_bytes']):>12}"
+                         f"{_bytes(entry['block_bytes']):>14}")
         total = doc["total"]["tiers"]["DISK"]
-        table.add_row("total", _int(total["blocks"]), _bytes(total["used_bytes"]), "", style="bold")
-        note = (f"LMDB map {_bytes(doc['map_size_bytes'])}; {doc['unreadable_records']} unreadable records. "
-                "Hit and eviction counters live in the process that owns a store: use --url for a daemon.")
-        return Group(table, Text(note, style="dim"))
-
-    overview = Table(title=f"kvtier stats: {source} (as of {when})", title_justify="left")
-    tiers = list(doc["total"].get("tier_names") or doc["total"]["tiers"])
-    for name in ("namespace", "lookup tokens", "hit rate", *[f"hits {t}" for t in tiers], "computed tokens",
-                 "evicted blocks", "load failures", "TTFT saved"):
-        overview.add_column(name, justify="left" if name == "namespace" else "right")
-    rows = [(_short(n), s) for n, s in doc["namespaces"].items()]
-    if len(rows) != 1:
-        rows.append(("total", doc["total"]))
-    for name, s in rows:
-        failures = sum(f["blocks"] for f in s["load_failures"])
-        ttft = s.get("ttft_saved_s")
-        overview.add_row(
-            name, _int(s["lookup_tokens"]), _pct(s["hit_rate"]), *[_int(s["hit_tokens"].get(t, 0)) for t in tiers],
-            _int(s["computed_tokens"]), _int(sum(s["evicted_blocks"].values())), _int(failures),
-            "n/a" if ttft is None else f"{ttft:.1f} s", style="bold" if name == "total" else None,
-        )
+        lines.append(f"  {'total':<20}{_int(total['blocks']):>10}{_bytes(total['used_bytes']):>12}")
+        return lines + _wrap(f"LMDB map {_bytes(doc['map_size_bytes'])}; {doc['unreadable_records']} unreadable "
+                             "records. Hit and eviction counters live in the process that owns a store: use --url "
+                             "for a daemon.", "")
+    lines = _wrap(f"kvtier stats: {source} (as of {when})")
+    for name, section in doc["namespaces"].items():
+        lines += [""] + namespace_lines(name, section)
     total = doc["total"]
-    tier_table = Table(title="tiers (all namespaces)", title_justify="left")
-    for name in ("tier", "used", "capacity", "occupancy", "blocks", "hit tokens", "served tokens", "stored tokens",
-                 "evicted blocks"):
-        tier_table.add_column(name, justify="left" if name == "tier" else "right")
-    for t in tiers:
-        u = total["tiers"].get(t, {})
+    if len(doc["namespaces"]) != 1:
+        lines += [""] + namespace_lines("all namespaces", {**total, "name": "all namespaces", "block_size": None})
+    lines += ["", "occupancy (all namespaces)",
+              f"  {'tier':<5}{'held blk':>11}{'used':>12}{'capacity':>12}{'occupancy':>11}"]
+    for t, u in total["tiers"].items():
         cap = u.get("capacity_bytes")
-        tier_table.add_row(
-            t, _bytes(u.get("used_bytes")), _bytes(cap), _pct(u["used_bytes"] / cap if cap else None),
-            _int(u.get("blocks")), _int(total["hit_tokens"].get(t, 0)), _int(total["served_tokens"].get(t, 0)),
-            _int(total["stored_tokens"].get(t, 0)), _int(total["evicted_blocks"].get(t, 0)),
-        )
-    path_table = Table(title="bytes moved per path (all namespaces)", title_justify="left")
-    for name in ("path", "bytes", "bytes/s (last interval)"):
-        path_table.add_column(name, justify="left" if name == "path" else "right")
+        lines.append(f"  {t:<5}{_int(u.get('blocks')):>11}{_bytes(u.get('used_bytes')):>12}{_bytes(cap):>12}"
+                     f"{_pct(u['used_bytes'] / cap if cap else None):>11}")
+    lines += ["bytes moved (all namespaces)", f"  {'path':<16}{'bytes':>12}{'bytes/s, last interval':>26}"]
     rates = doc.get("series", {}).get("bytes_per_s", {})
     for p, n in total["moved_bytes"].items():
-        last = rates.get(p, [])[-1:] or [None]
-        path_table.add_row(p, _bytes(n), "–" if last[0] is None else _bytes(last[0]) + "/s")
-    parts = [overview, tier_table, path_table]
+        last = (rates.get(p) or [None])[-1]
+        lines.append(f"  {p:<16}{_bytes(n):>12}{'–' if last is None else _bytes(last) + '/s':>26}")
     failures = [f for f in total["load_failures"] if f["blocks"]]
     if failures:
-        parts.append(Text("load failures: " + ", ".join(
-            f"{f['tier'] + ' ' if f['tier'] else ''}{f['reason']} {f['blocks']}" for f in failures)))
-    return Group(*parts)
+        lines += _wrap("load failures: " + ", ".join(
+            f"{f['tier'] + ' ' if f['tier'] else ''}{f['reason']} {f['blocks']}" for f in failures))
+    return lines
+
+
+def render(doc: dict[str, Any], source: str) -> Any:
+    """The rich renderable of :func:`render_lines` (for ``--watch``'s live view)."""
+    from rich.text import Text
+
+    return Text("\n".join(render_lines(doc, source)), no_wrap=True, overflow="crop")
 
 
 # -- the command -----------------------------------------------------------------------------------
@@ -227,7 +256,7 @@ def stats(url: str | None, data_dir: Path | None, token: str | None, watch: bool
     def read() -> dict[str, Any]:
         return fetch_stats(url, token) if url is not None else read_data_dir(data_dir or default_data_dir())
 
-    console = Console()
+    console = Console(highlight=False)
     if as_json:
         click.echo(json.dumps(read(), indent=2))
         return

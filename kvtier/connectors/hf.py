@@ -33,6 +33,12 @@ hit never ends inside an image, and ``plan.generate_kwargs()`` holds the process
 of the images after the cached prefix only (pass it instead of them). Images that cannot be
 keyed make the prompt uncached (``generate_kwargs()`` then holds all of them).
 
+TTFT saved (:mod:`kvtier.connectors.ttft`): the model's first forward after ``before_prefill``
+(the prefill) is timed; at ``after_request`` the connector counts the computed tokens and the
+seconds the cached ones saved (their count times the fitted prefill cost per token, minus
+the time ``before_prefill`` spent loading) into ``store.stats``. ``explain(input_ids)`` says
+block by block where the prompt would hit and why the rest would miss.
+
 Batch size 1 (one request per call). Model families: those of
 :mod:`kvtier.connectors.hf_cache` (full, sliding-window, chunked and MLA attention; others are
 refused by ``from_model`` with :class:`UnsupportedModelError`). The cache ``before_prefill``
@@ -45,6 +51,7 @@ Works with transformers 4.56+ and 5.x.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -52,9 +59,6 @@ import numpy as np
 import torch
 
 from kvtier.config import StoreConfig
-from kvtier.hashing import KeyContext, block_hashes_for, block_keys_for
-from kvtier.model_keys import kv_config_bytes, kv_config_fields
-from kvtier.connectors.hf_media import PromptMedia, prompt_media
 from kvtier.connectors.hf_cache import (
     UnsupportedModelError,
     cache_kwarg,
@@ -65,7 +69,13 @@ from kvtier.connectors.hf_cache import (
     new_cache,
     scatter_from_layers,
 )
-from kvtier.store import PrefetchHandle, TieredStore
+from kvtier.connectors.hf_media import PromptMedia, prompt_media
+from kvtier.connectors.ttft import ForwardTimer, PrefillRate
+from kvtier.hashing import KeyContext, block_hashes_for, block_keys_for, content_keys
+from kvtier.model_keys import kv_config_bytes, kv_config_fields
+from kvtier.store import PrefetchHandle, ResetResult, TieredStore
+from kvtier.store.misses import Explanation
+from kvtier.store.results import PromptInfo
 from kvtier.tiers.backend import RemoteBackend
 from kvtier.types import BlockHash, Medium, dtype_name
 
@@ -185,6 +195,13 @@ class HFConnector:
         self.block_size = spec.block_size
         self.store_disabled: str | None = None
         self._cache_kwarg = cache_kwarg(model)
+        store.name = store.name or key_context.model_id
+        self.prefill_rate = PrefillRate()
+        self._timer = ForwardTimer(model)
+        self._pending: tuple[int, int, float] | None = None  # (computed, cached tokens, load s) of the last prefill
+        self.last_prefill: dict[str, float] | None = None
+        """The last counted prefill: ``computed_tokens``, ``cached_tokens``, ``load_s``,
+        ``prefill_s``, ``saved_s``, ``lost_s`` (for logs and tests)."""
 
     @classmethod
     def from_model(
@@ -259,8 +276,26 @@ class HFConnector:
         max_blocks = (len(tokens) - 1) // self.block_size  # leave >= 1 token to prefill
         if prompt_media is not None:
             max_blocks = prompt_media.cut(max_blocks, self.block_size)
-        handle = self.store.prefetch(block_hashes[:max_blocks], fingerprints=fingerprints[:max_blocks])
+        prompt = self._prompt_info(tokens, prompt_media)
+        handle = self.store.prefetch(block_hashes[:max_blocks], prompt=prompt, fingerprints=fingerprints[:max_blocks])
         return PrefetchTicket(block_hashes, handle, fingerprints=fingerprints, media=prompt_media)
+
+    def explain(self, input_ids: torch.Tensor | Sequence[int], *, media: Any = None) -> Explanation:
+        """Where each block of the prompt would hit now and why the rest would miss (counts
+        nothing, loads nothing; kvtier.store.misses). ``media``: as for :meth:`prefetch`."""
+        tokens = _prompt_tokens(input_ids)
+        prompt_media = self.prompt_media(media, tokens)
+        max_blocks = (len(tokens) - 1) // self.block_size
+        if prompt_media is not None:
+            max_blocks = prompt_media.cut(max_blocks, self.block_size)
+        block_hashes, _ = self.block_keys(tokens, prompt_media)
+        return self.store.explain(block_hashes[:max_blocks], self._prompt_info(tokens, prompt_media))
+
+    def _prompt_info(self, tokens: list[int], media: PromptMedia | None = None) -> PromptInfo:
+        """The prompt's length and content keys (the blocks holding an image keyed by it, as
+        in :meth:`block_keys`), for miss reasons."""
+        extra = media.extra_keys(len(tokens) // self.block_size, self.block_size) if media is not None else None
+        return PromptInfo(len(tokens), content_keys(tokens, self.block_size, extra), self.namespace)
 
     def before_prefill(
         self, input_ids: torch.Tensor | Sequence[int], ticket: PrefetchTicket | None = None, *, media: Any = None
@@ -280,6 +315,8 @@ class HFConnector:
         Raises:
             ValueError: batch size other than 1, an empty prompt.
         """
+        started = time.perf_counter()
+        self._count_prefill()  # the previous request's, if after_request was not called
         tokens = _prompt_tokens(input_ids)
         block_hashes, fingerprints = self.block_keys(tokens, self.prompt_media(media, tokens))
         if ticket is None or ticket.used or (ticket.block_hashes, ticket.fingerprints) != (block_hashes, fingerprints):
@@ -289,8 +326,26 @@ class HFConnector:
         ticket.used = True
         with torch.no_grad():
             plan = self._load_into_cache(ticket, block_hashes)
-        self.store.record_computed_tokens(len(tokens) - plan.num_cached_tokens)
+        num_cached = plan.num_cached_tokens
+        self._pending = (len(tokens) - num_cached, num_cached, time.perf_counter() - started)
+        self._timer.arm()  # the model's next forward is this prompt's prefill
         return plan
+
+    def _count_prefill(self) -> None:
+        """Count the last prefill's computed tokens and the TTFT its cached tokens saved."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        computed, cached, load_s = pending
+        seconds = self._timer.seconds()
+        if seconds is None:  # no forward ran (the caller did not prefill): no estimate
+            self.store.record_computed_tokens(computed)
+            return
+        self.prefill_rate.observe(computed, seconds)
+        saved, lost = self.prefill_rate.saving(cached, load_s)
+        self.store.record_computed_tokens(computed, ttft_saved_s=saved, ttft_lost_s=lost)
+        self.last_prefill = {"computed_tokens": computed, "cached_tokens": cached, "load_s": load_s,
+                             "prefill_s": seconds, "saved_s": saved, "lost_s": lost}
 
     def _load_into_cache(self, ticket: PrefetchTicket, block_hashes: list[BlockHash]) -> PrefillPlan:
         handle = ticket.handle
@@ -336,6 +391,7 @@ class HFConnector:
         Raises:
             TypeError: ``cache`` is not a transformers cache.
         """
+        self._count_prefill()
         tokens = _token_list(token_ids)
         keys, values = cache_layers(cache)
         if self.store_disabled is None and (problem := check_cache(cache, self.store.spec)) is not None:
@@ -360,9 +416,22 @@ class HFConnector:
                 scatter_from_layers(spec, keys, values, pool, ids_tensor, first_index * self.block_size)
 
         with torch.no_grad():
-            return self.store.store_with(block_hashes, write, fingerprints)
+            return self.store.store_with(
+                block_hashes, write, prompt=self._prompt_info(tokens[:num_tokens], prompt_media),
+                fingerprints=fingerprints,
+            )
+
+    def reset(self, remote: bool = True) -> ResetResult:
+        """Empty every tier of the store (:meth:`TieredStore.reset`; ``remote``: the REMOTE
+        namespace too, for every process sharing it): the next prompts miss. A ticket from
+        :meth:`prefetch` taken before loads nothing (``before_prefill`` computes the whole
+        prompt). Use it after changing the model's weights in place without a new
+        ``model_revision``."""
+        return self.store.reset(remote)
 
     def close(self) -> None:
+        self._count_prefill()
+        self._timer.close()
         self.store.close()
 
 

@@ -4,8 +4,13 @@ Figures come from :func:`kvtier.metrics.figures` (the same copy of ``store.stats
 Prometheus collector exports, so the dashboard, ``kvtier stats`` and ``/metrics`` agree).
 Per namespace (and summed in ``total``)::
 
+    name                         the store's display name (the model id a connector sets), or null
     lookup_tokens                tokens queried (full blocks)
     hit_tokens {tier}            tokens found, by the tier holding them; hit_tokens_total
+    hit_blocks {tier}, served_blocks {tier}, stored_blocks {tier}   the same events in blocks
+                                 (tokens = blocks * block_size, per namespace)
+    miss_tokens [{reason, tier, tokens}]   tokens not served, by why (kvtier.store.misses),
+                                 most first
     hit_rate                     hit_tokens_total / lookup_tokens (null before any lookup)
     computed_tokens              lookup_tokens - hit_tokens_total: not cached, so computed
     served_tokens {tier}         tokens loaded into the top pool, by source tier
@@ -15,10 +20,13 @@ Per namespace (and summed in ``total``)::
     tiers {tier: {blocks, used_bytes, capacity_bytes}}
     ttft_saved_s, engine_computed_tokens   prefill seconds saved and prompt tokens prefilled, as
                                  counted by a connector into store.stats; null when none does
+    ttft_lost_s                  seconds loads took beyond recomputing (connector-counted)
 
 ``series`` is sampled every ``interval_s`` by :class:`StatsHistory` (a ring buffer) and gives,
 per interval between two samples: the hit rate overall and per tier, tokens/s from cache and
-computed, bytes/s per path, evictions/s per tier, and the bytes used per tier at each sample.
+computed, missed tokens/s by reason, bytes/s per path, evictions/s per tier, and the bytes
+used per tier at each sample. The last interval ends at the request (live figures), so a
+chart has a point as soon as one sample was taken.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ def namespace_section(f: StoreFigures) -> dict[str, Any]:
     hit = {t: f.hit_blocks.get(t, 0) * bs for t in f.tiers}
     hit_total = sum(f.hit_blocks.values()) * bs
     return {
+        "name": f.name,
         "block_size": bs,
         "block_bytes": f.block_nbytes,
         "tier_names": list(f.tiers),
@@ -64,6 +73,10 @@ def namespace_section(f: StoreFigures) -> dict[str, Any]:
         "computed_tokens": lookup - hit_total,
         "served_tokens": {t: f.loaded_blocks.get(t, 0) * bs for t in f.tiers},
         "stored_tokens": {t: f.stored_blocks.get(t, 0) * bs for t in f.tiers},
+        "hit_blocks": {t: f.hit_blocks.get(t, 0) for t in f.tiers},
+        "served_blocks": {t: f.loaded_blocks.get(t, 0) for t in f.tiers},
+        "stored_blocks": {t: f.stored_blocks.get(t, 0) for t in f.tiers},
+        "miss_tokens": _miss_list(f.miss_tokens.items()),
         "evicted_blocks": {t: f.evicted_blocks.get(t, 0) for t in f.tiers},
         "spilled_blocks": {path(*k): n for k, n in f.spilled_blocks.items()},
         "moved_bytes": {path(*k): n * f.block_nbytes for k, n in f.moved_blocks.items()},
@@ -74,8 +87,15 @@ def namespace_section(f: StoreFigures) -> dict[str, Any]:
         "remote_errors": dict(f.remote_errors),
         "tiers": {t: dict(u) for t, u in f.usage.items()},
         "ttft_saved_s": f.ttft_saved_s,
+        "ttft_lost_s": f.ttft_lost_s,
         "engine_computed_tokens": f.engine_computed_tokens,
     }
+
+
+def _miss_list(items: Any) -> list[dict[str, Any]]:
+    """``[{reason, tier, tokens}]``, most tokens first (zeros left out)."""
+    rows = [{"reason": r, "tier": t, "tokens": n} for (r, t), n in items if n]
+    return sorted(rows, key=lambda row: (-row["tokens"], row["reason"], row["tier"]))
 
 
 def _add_counts(into: dict[str, int], more: Mapping[str, int]) -> None:
@@ -89,9 +109,11 @@ def total_section(sections: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
         "lookup_tokens": 0, "remote_lookup_tokens": 0, "hit_tokens_total": 0, "computed_tokens": 0,
         "hit_tokens": {}, "served_tokens": {}, "stored_tokens": {}, "evicted_blocks": {}, "spilled_blocks": {},
         "moved_bytes": {}, "store_failures": {}, "remote_errors": {}, "tiers": {}, "load_failures": [],
-        "ttft_saved_s": None, "engine_computed_tokens": None,
+        "ttft_saved_s": None, "engine_computed_tokens": None, "ttft_lost_s": 0.0, "name": None,
+        "hit_blocks": {}, "served_blocks": {}, "stored_blocks": {}, "miss_tokens": [],
     }
     failures: Counter = Counter()
+    missed: Counter = Counter()
     for s in sections.values():
         for key in ("ttft_saved_s", "engine_computed_tokens"):  # null unless some store counts it
             if s[key] is not None:
@@ -99,8 +121,11 @@ def total_section(sections: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
         for key in ("lookup_tokens", "remote_lookup_tokens", "hit_tokens_total", "computed_tokens"):
             total[key] += s[key]
         for key in ("hit_tokens", "served_tokens", "stored_tokens", "evicted_blocks", "spilled_blocks",
-                    "moved_bytes", "store_failures", "remote_errors"):
-            _add_counts(total[key], s[key])
+                    "moved_bytes", "store_failures", "remote_errors", "hit_blocks", "served_blocks", "stored_blocks"):
+            _add_counts(total[key], s.get(key, {}))
+        total["ttft_lost_s"] += s.get("ttft_lost_s") or 0.0
+        for m in s.get("miss_tokens", []):
+            missed[(m["reason"], m["tier"])] += m["tokens"]
         for tier, usage in s["tiers"].items():
             _add_counts(total["tiers"].setdefault(tier, {}), usage)
         for f in s["load_failures"]:
@@ -109,6 +134,7 @@ def total_section(sections: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
         total[key] = dict(sorted(total[key].items(), key=lambda kv: _tier_key(kv[0])))
     total["tier_names"] = list(total["tiers"]) or sorted(total["hit_tokens"], key=_tier_key)
     total["load_failures"] = [{"tier": t, "reason": r, "blocks": n} for (t, r), n in sorted(failures.items())]
+    total["miss_tokens"] = _miss_list(missed.items())
     total["hit_rate"] = total["hit_tokens_total"] / total["lookup_tokens"] if total["lookup_tokens"] else None
     return total
 
@@ -120,6 +146,9 @@ def _flat(total: Mapping[str, Any]) -> dict[str, float]:
     for kind in ("hit_tokens", "served_tokens", "moved_bytes", "evicted_blocks"):
         for key, value in total[kind].items():
             flat[f"{kind}/{key}"] = value
+    for m in total["miss_tokens"]:
+        key = f"miss_tokens/{m['reason']}"
+        flat[key] = flat.get(key, 0) + m["tokens"]
     for tier, usage in total["tiers"].items():
         flat[f"used_bytes/{tier}"] = usage["used_bytes"]
     return flat
@@ -164,27 +193,34 @@ class StatsHistory:
     def document(self) -> dict[str, Any]:
         """The ``/v1/stats`` JSON document (live figures; series from the samples)."""
         sections = self.sections()
+        total = total_section(sections)
         return {
             "version": SCHEMA_VERSION,
             "time": time.time(),
             "interval_s": self.interval_s,
             "namespaces": sections,
-            "total": total_section(sections),
-            "series": self.series(),
+            "total": total,
+            "series": self.series(_flat(total)),
         }
 
-    def series(self) -> dict[str, Any]:
-        """Rates per interval between consecutive samples (``t`` = the interval's end)."""
+    def series(self, live: Mapping[str, float] | None = None) -> dict[str, Any]:
+        """Rates per interval between consecutive samples (``t`` = the interval's end); with
+        ``live`` (the flat totals now), a last interval from the latest sample to now, when
+        that sample is at least a tenth of an interval old."""
         samples = list(self._samples)
+        if live is not None and samples and time.monotonic() - samples[-1][1] >= self.interval_s / 10:
+            samples.append((time.time(), time.monotonic(), dict(live)))
         out: dict[str, Any] = {
             "t": [], "hit_rate": {"all": []}, "lookup_tokens_per_s": [], "cached_tokens_per_s": [],
-            "computed_tokens_per_s": [], "bytes_per_s": {}, "evicted_blocks_per_s": {}, "used_bytes": {},
+            "computed_tokens_per_s": [], "miss_tokens_per_s": {}, "bytes_per_s": {}, "evicted_blocks_per_s": {},
+            "used_bytes": {},
         }
         keys = sorted({k for _, _, flat in samples for k in flat})
         tiers = sorted({k.split("/", 1)[1] for k in keys if k.startswith("hit_tokens/")}, key=_tier_key)
         paths = [k.split("/", 1)[1] for k in keys if k.startswith("moved_bytes/")]
         evict_tiers = sorted({k.split("/", 1)[1] for k in keys if k.startswith("evicted_blocks/")}, key=_tier_key)
         used_tiers = sorted({k.split("/", 1)[1] for k in keys if k.startswith("used_bytes/")}, key=_tier_key)
+        reasons = sorted(k.split("/", 1)[1] for k in keys if k.startswith("miss_tokens/"))
         for tier in tiers:
             out["hit_rate"][tier] = []
         for (_, m0, a), (t1, m1, b) in zip(samples, samples[1:], strict=False):
@@ -199,6 +235,8 @@ class StatsHistory:
             out["lookup_tokens_per_s"].append(lookups / dt)
             out["cached_tokens_per_s"].append(delta("hit_tokens_total") / dt)
             out["computed_tokens_per_s"].append(delta("computed_tokens") / dt)
+            for reason in reasons:
+                out["miss_tokens_per_s"].setdefault(reason, []).append(delta(f"miss_tokens/{reason}") / dt)
             for p in paths:
                 out["bytes_per_s"].setdefault(p, []).append(delta(f"moved_bytes/{p}") / dt)
             for tier in evict_tiers:

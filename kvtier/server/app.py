@@ -22,6 +22,7 @@ handlers find the namespaces under ``request.app[REGISTRY]`` (``for ns in regist
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 from collections.abc import AsyncIterator
 
@@ -29,7 +30,7 @@ from aiohttp import web
 
 from kvtier.checks import BatchTooLarge, check_block_hashes, namespace_hex, parse_namespace
 from kvtier.dashboard import setup_observability
-from kvtier.server import frames
+from kvtier.server import frames, observe
 from kvtier.server.errors import Handler, error, errors_middleware
 from kvtier.server.openapi import openapi
 from kvtier.server.registry import Namespace, Registry, RegistryError, UnknownNamespace
@@ -66,7 +67,24 @@ def make_app(settings: ServeConfig) -> web.Application:
     app.router.add_post(ns + "/get", get)
     app.router.add_post(ns + "/put", put)
     _setup_observability(app)
+    observe.setup(app, _use_store, lambda request: _stores(app), app[OPENAPI_PATHS])
     return app
+
+
+def _stores(app: web.Application) -> dict:
+    """The namespaces' stores by namespace hex (what ``/v1/events`` serves)."""
+    return {entry.namespace.hex(): entry.store for entry in app[REGISTRY] if not entry.closing}
+
+
+@contextlib.asynccontextmanager
+async def _use_store(request: web.Request) -> AsyncIterator:
+    """The store of the request's ``{ns}``, in use for the call (400 bad, 404 unknown)."""
+    namespace = _namespace(request)
+    try:
+        async with request.app[REGISTRY].use(namespace) as entry:
+            yield entry.store
+    except UnknownNamespace:
+        raise _unknown(namespace) from None
 
 
 def _setup_observability(app: web.Application) -> None:
@@ -74,11 +92,7 @@ def _setup_observability(app: web.Application) -> None:
     stores, by namespace hex. The page and its static files are public (they hold no data);
     ``/metrics`` and ``/v1/stats`` need the token when the daemon has one (a Prometheus scrape
     config sends it as ``authorization``; the page takes it from ``/dashboard#token=...``)."""
-    registry = app[REGISTRY]
-    setup_observability(
-        app, lambda: {entry.namespace.hex(): entry.store for entry in registry if not entry.closing},
-        public_paths=app[PUBLIC_PATHS], openapi_paths=app[OPENAPI_PATHS],
-    )
+    setup_observability(app, lambda: _stores(app), public_paths=app[PUBLIC_PATHS], openapi_paths=app[OPENAPI_PATHS])
 
 
 async def _registry_ctx(app: web.Application) -> AsyncIterator[None]:

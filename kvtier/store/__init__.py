@@ -12,11 +12,17 @@ Modules, bottom to top (each imports only those below it):
 - :mod:`~kvtier.store.lookup`: the one lookup path (local tiers, REMOTE outside the lock),
   counted once; used by lookups and prefetches alike.
 - :mod:`~kvtier.store.prefetch`: prefetch planning and the ``PrefetchHandle``.
+- :mod:`~kvtier.store.reset`: emptying every tier of a running store, or a data
+  directory's DISK tier offline (``clear_data_dir``).
 - :mod:`~kvtier.store.tiered_store`: the facade, ``TieredStore``.
 """
 
 from kvtier.store.prefetch import PrefetchHandle
-from kvtier.store.results import Lease, LoadResult, LookupResult, StoreHandle, StoreStats
+from kvtier.store.reset import clear_data_dir
+from kvtier.store.results import Lease, LoadResult, LookupResult, ResetResult, StoreHandle, StoreStats
 from kvtier.store.tiered_store import TieredStore
 
-__all__ = ["Lease", "LoadResult", "LookupResult", "PrefetchHandle", "StoreHandle", "StoreStats", "TieredStore"]
+__all__ = [
+    "Lease", "LoadResult", "LookupResult", "PrefetchHandle", "ResetResult", "StoreHandle", "StoreStats", "TieredStore",
+    "clear_data_dir",
+]

@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import torch
 
 from kvtier.config import StoreConfig
+from kvtier.store.events import KVEventPublisher
 from kvtier.store.residency import Residency
 from kvtier.store.results import StoreStats
 from kvtier.tiers.disk import DiskTier
@@ -42,15 +43,17 @@ class Placement:
         disk: the DISK tier, or ``None``.
         residency: pins and pending slots (never evicted).
         stats: counters of evictions, spills and failed spills.
+        events: where blocks stored in and removed from a tier are published (kvtier.store.events).
     """
 
     def __init__(
         self, spec: KVSpec, namespace: bytes, write_policy: str, pools: list[BlockPool], disk: DiskTier | None,
-        residency: Residency, stats: StoreStats,
+        residency: Residency, stats: StoreStats, events: KVEventPublisher | None = None,
     ) -> None:
         self.spec, self.namespace, self.write_policy = spec, namespace, write_policy
         self.pools, self.disk = pools, disk
         self._residency, self._stats = residency, stats
+        self.events = events if events is not None else KVEventPublisher(spec.block_size)
         self.wait_for_writes: Callable[[], bool] = lambda: False
         """Set by the store: wait for background writes (whose pins may stand in the way of
         an eviction) and return whether there were any."""
@@ -95,6 +98,21 @@ class Placement:
             media.append(medium)
         return media
 
+    def free_top_slots(self, keep: Sequence[BlockHash]) -> int:
+        """Top-pool slots a load could take now: free ones, and blocks that could be evicted
+        (neither pinned nor pending) other than ``keep``."""
+        top, keep = self.top, set(keep)
+        evictable = sum(1 for h in top.lru_order() if h not in keep and self._residency.evictable(top.medium, h))
+        return top.num_free + evictable
+
+    def held_blocks(self) -> dict[Medium, list[BlockHash]]:
+        """Every published block of each local tier (in eviction order; a block loaded or
+        being written is not held yet): a snapshot for KV-event subscribers."""
+        held = {p.medium: [h for h in p.lru_order() if not self._residency.is_pending(p.medium, h)] for p in self.pools}
+        if self.disk is not None:
+            held[Medium.DISK] = list(self.disk.lru_order())
+        return held
+
     def touch_tail_first(self, block_hashes: Sequence[BlockHash], new: frozenset = frozenset()) -> None:
         """A use of ``block_hashes`` (``new`` ones only move to the recent end of probation),
         in reverse order, so the head of a request is the last of it to be evicted."""
@@ -135,6 +153,7 @@ class Placement:
         for h in victims:
             pool.free(h, evicted=True)
         self._stats.evicted_blocks[pool.medium] += len(victims)
+        self.events.removed(pool.medium, victims)
 
     def _victims(self, pool: BlockPool, num_blocks: int) -> list[BlockHash]:
         victims = []
@@ -176,6 +195,7 @@ class Placement:
         if victims:
             self.disk.write_batch([], deletes=victims)
             self._stats.evicted_blocks[Medium.DISK] += len(victims)
+            self.events.removed(Medium.DISK, victims)
 
     # -- spills ------------------------------------------------------------------------------
     def write_down(self, index: int, block_hashes: list[BlockHash]) -> None:
@@ -193,12 +213,15 @@ class Placement:
             self.make_room(index + 1, len(todo))
         finally:
             self._residency.unpin(todo)
+        copied = []
         for h in todo:
             below_id = below.allocate(h, pool.fingerprint(h))
             if below_id is None:
                 break
             below.tensor[below_id].copy_(pool.tensor[pool.block_id(h)])
-            self._stats.spilled_blocks[below.medium] += 1
+            copied.append(h)
+        self._stats.spilled_blocks[below.medium] += len(copied)
+        self.events.stored(below.medium, copied)
 
     def spill_to_disk(self, pool: BlockPool, block_hashes: list[BlockHash]) -> None:
         """Write blocks of ``pool`` to DISK, batched into LMDB transactions of ~64 MiB
@@ -229,12 +252,15 @@ class Placement:
             try:
                 ok = self.disk.write_batch(puts, deletes=victims if start == 0 else ())
             except Exception as exc:  # never into the inference loop: the blocks are just not on DISK
-                logger.warning("DISK spill of %d blocks failed: %r", len(puts), exc)
+                logger.warning("DISK spill of %d blocks failed: %s", len(puts), repr(exc))  # text: see lookup.py
                 ok, reason = [False] * len(puts), "error"
             else:
                 reason = "full"
             self._stats.spilled_blocks[Medium.DISK] += sum(ok)
             self._stats.store_failures[reason] += len(ok) - sum(ok)
+            if start == 0:
+                self.events.removed(Medium.DISK, [h for h in victims if h not in self.disk])
+            self.events.stored(Medium.DISK, [put[0] for put, done in zip(puts, ok) if done])
         self._stats.evicted_blocks[Medium.DISK] += len(victims)
 
     def flush_to_disk(self) -> None:

@@ -17,6 +17,12 @@ Steps (all index changes under the store's lock; the copies outside it):
    first failed block: a failure is a miss for that block and everything after it.
 3. A handle dropped without ``wait()`` (a cancelled request) waits for its jobs and frees its
    slots from its finalizer (deferred if the lock is busy: see :mod:`kvtier.store.residency`).
+
+A handle of an older generation of the store's contents (a reset came in between) publishes
+nothing: ``wait()`` waits for its reads (they write into slots the reset left held for
+them), sends nothing on, frees its slots and returns an empty result. A handle inherited
+across ``fork()`` is inert in the child: ``wait()`` returns an empty result at once (its
+jobs, and the thread that may hold its lock, exist only in the parent).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Sequence
 
+from kvtier.store import misses
+from kvtier.store.misses import Miss, MissMemory
 from kvtier.store.placement import Placement
 from kvtier.store.residency import Residency
 from kvtier.store.results import Lease, LoadResult, StoreStats
@@ -58,15 +66,22 @@ class PrefetchHandle:
         read_jobs: DISK/REMOTE read job ids -> indices of their blocks.
         copy_jobs: pool-to-top copy job ids -> indices of their blocks.
         read_seconds: submit-to-done time of the slowest read job (set once the reads are waited).
+        generation: the store's generation when it was planned (see the module doc).
+        count: whether the lookup was counted (then so are the blocks it found but does not load).
+        unserved: the reason of each walked block that got no plan (gone since the walk,
+            beyond the top pool, no free slot), counted with the failures on ``wait``.
     """
 
     prefetcher: "Prefetcher"
     plans: list[BlockPlan]
     lease: Lease
+    generation: int = 0
     read_jobs: dict[int, list[int]] = field(default_factory=dict)
     copy_jobs: dict[int, list[int]] = field(default_factory=dict)
     submitted_at: float = field(default_factory=time.perf_counter)
     read_seconds: float = 0.0
+    count: bool = False
+    unserved: list[Miss] = field(default_factory=list)
     _result: LoadResult | None = None
     _staged: bool = False
     _abandon: Any = None
@@ -87,10 +102,16 @@ class PrefetchHandle:
     def done(self) -> bool:
         """True when the transfers submitted so far finished (``wait`` then only has to
         send DISK blocks staged in the CPU slab on to the GPU)."""
-        return self._result is not None or self.prefetcher.engine.done([*self.read_jobs, *self.copy_jobs])
+        if self._result is not None or self.prefetcher.residency.inherited(self.generation):
+            return True
+        return self.prefetcher.engine.done([*self.read_jobs, *self.copy_jobs])
 
     def wait(self) -> LoadResult:
-        """Block until the prefix is in the top pool; returns it (idempotent)."""
+        """Block until the prefix is in the top pool; returns it (idempotent). Empty when a
+        reset came in between (or the handle was inherited across ``fork()``)."""
+        if self._result is None and self.prefetcher.residency.inherited(self.generation):
+            self._result = self.prefetcher.discard(self)
+            return self._result
         with self._lock:
             if self._result is None:
                 self._stage()
@@ -103,6 +124,9 @@ class PrefetchHandle:
         current stream waits for that layer's copy event (no host sync: SGLang HiCache's
         per-layer readiness); elsewhere copies are synchronous and this is :meth:`wait`.
         Call :meth:`wait` afterwards for the result and the lease."""
+        if self.prefetcher.residency.inherited(self.generation):
+            self.wait()
+            return
         with self._lock:
             if self._result is None:
                 self._stage()
@@ -127,7 +151,7 @@ class PrefetchHandle:
         self.read_seconds = max((r.seconds for r in reads.values()), default=0.0)
         self._apply(reads, self.read_jobs)
         staged = [i for i, b in enumerate(self.plans) if b.staging_id is not None and b.ok]
-        if staged:
+        if staged and self.prefetcher.residency.is_current(self.generation):  # after a reset: nothing to send on
             placement = self.prefetcher.placement
             cpu, top = placement.pool(Medium.CPU), placement.top
             job = TransferJob(
@@ -156,28 +180,42 @@ class Prefetcher:
         stats: counts loads and load failures.
         num_io_threads: DISK/REMOTE reads are split into this many jobs.
         observe: ``observe(op, t0)``: the store's latency hook, called with ``"load"``.
+        memory: where blocks that fail verification are remembered (:mod:`kvtier.store.misses`).
     """
 
     def __init__(
         self, placement: Placement, residency: Residency, engine: TransferEngine, stats: StoreStats,
-        num_io_threads: int, observe: Callable[[str, float], None],
+        num_io_threads: int, observe: Callable[[str, float], None], memory: MissMemory,
     ) -> None:
         self.placement, self.engine = placement, engine
-        self._residency, self._stats = residency, stats
+        self.residency = self._residency = residency  # (handles ask it for the generation)
+        self._stats, self._memory = stats, memory
         self._num_io_threads, self._observe = num_io_threads, observe
 
     def plan(
-        self, block_hashes: Sequence[BlockHash], media: Sequence[Medium], fingerprints: Sequence[Fingerprint] | None
+        self, block_hashes: Sequence[BlockHash], media: Sequence[Medium],
+        fingerprints: Sequence[Fingerprint] | None = None, count: bool = False, namespace: bytes = b"",
+        walked_generation: int | None = None,
     ) -> PrefetchHandle:
         """Step 1 (the caller holds the store's lock). ``media``: what the lookup walk found
         for the leading blocks (a REMOTE block was found outside the lock); each block's
         medium is looked up again here, since the lock was let go in between.
-        ``fingerprints``: the request's (``None``: not checked)."""
-        chain = self._chain(block_hashes, media, fingerprints)
+        ``fingerprints``: the request's (``None``: not checked). ``count``: the walk was
+        counted, so the blocks it found that will not load are counted as misses (with
+        ``namespace``, the store's, for their reasons; a block of other tokens as
+        ``token_mismatch``). REMOTE blocks found by a walk of an older generation
+        (``walked_generation``: a reset came in between, and may be emptying REMOTE) are not
+        trusted."""
+        remote_ok = walked_generation is None or self._residency.is_current(walked_generation)
+        walked = self._chain(block_hashes, media, fingerprints, remote_ok)
+        unserved: list[Miss] = []
+        if count and len(walked) < len(media):  # gone, in flight elsewhere or of other tokens
+            unserved += misses.classify(self.placement, self._memory, block_hashes[: len(media)], len(walked),
+                                        False, None, namespace)
         # A load never holds more than the top pool: pin only the head that fits, so that the
         # chain's own tail (resident in the top pool after a long store) can make room for it.
         top = self.placement.top
-        chain = chain[: top.num_blocks]
+        chain = walked[: top.num_blocks]
         lease = self._residency.lease([b.block_hash for b in chain])
         self.placement.make_room(0, sum(1 for b in chain if b.source is not top.medium))
         plans = self._reserve(chain)
@@ -185,17 +223,21 @@ class Prefetcher:
             shorter = self._residency.lease([b.block_hash for b in plans])
             lease.release()
             lease = shorter
-        handle = PrefetchHandle(self, plans, lease)
+        if count:
+            unserved = [(misses.NO_FREE_SLOT, str(b.source), "") for b in chain[len(plans) :]] + [
+                (misses.BEYOND_TOP_CAPACITY, str(b.source), "") for b in walked[top.num_blocks :]] + unserved
+        handle = PrefetchHandle(self, plans, lease, self._residency.generation, count=count, unserved=unserved)
         self._submit(handle)
         # Dropped without wait() (the request was cancelled): wait its jobs and free its slots.
         handle._abandon = weakref.finalize(
             handle, self._residency.defer_or_run,
-            partial(self._cancel, plans, [*handle.read_jobs, *handle.copy_jobs], lease),
+            partial(self._cancel, plans, [*handle.read_jobs, *handle.copy_jobs], lease, handle.generation),
         )
         return handle
 
     def _chain(
-        self, block_hashes: Sequence[BlockHash], media: Sequence[Medium], fingerprints: Sequence[Fingerprint] | None
+        self, block_hashes: Sequence[BlockHash], media: Sequence[Medium], fingerprints: Sequence[Fingerprint] | None,
+        remote_ok: bool = True,
     ) -> list[BlockPlan]:
         """The walked prefix as it stands now: ends at a block gone since the walk, at one
         another request is bringing into the top pool, at a repeat, or at a block a local
@@ -207,7 +249,7 @@ class Prefetcher:
         expected_all = fingerprints if fingerprints is not None else [None] * len(block_hashes)
         for h, walked, expected in zip(block_hashes, media, expected_all):
             medium = placement.medium_of(h)
-            if medium is None and walked is Medium.REMOTE:
+            if medium is None and walked is Medium.REMOTE and remote_ok:
                 medium = Medium.REMOTE
             if medium is None or self._residency.is_pending(top.medium, h) or h in seen:
                 break
@@ -216,8 +258,9 @@ class Prefetcher:
             else:
                 stored = placement.fingerprint_of(h, medium)
                 if expected is not None and stored != expected:
-                    self._stats.load_failures["token_mismatch"] += 1
-                    self._stats.load_failures_by_tier[(str(medium), "token_mismatch")] += 1
+                    self._stats.load_failures[misses.TOKEN_MISMATCH] += 1
+                    self._stats.load_failures_by_tier[(str(medium), misses.TOKEN_MISMATCH)] += 1
+                    self._memory.note_failed(h, str(medium), misses.TOKEN_MISMATCH)  # its miss reason
                     break
             seen.add(h)
             chain.append(BlockPlan(h, medium, -1, stored, expected))
@@ -282,6 +325,8 @@ class Prefetcher:
         with self._residency.lock:
             if handle._abandon is not None:
                 handle._abandon.detach()
+            if not self._residency.is_current(handle.generation):
+                return self.discard(handle)
             top, placement, stats = self.placement.top, self.placement, self._stats
             for b in handle.plans:
                 moved = b.source is not top.medium
@@ -292,11 +337,17 @@ class Prefetcher:
                         else:
                             self._residency.free_pending(placement.pool(medium), [b.block_hash])
                 if not b.ok:
-                    stats.load_failures[b.reason or "error"] += 1
-                    stats.load_failures_by_tier[(str(b.source), b.reason or "error")] += 1
+                    reason = b.reason or "error"
+                    stats.load_failures[reason] += 1
+                    stats.load_failures_by_tier[(str(b.source), reason)] += 1
+                    self._memory.note_failed(b.block_hash, str(b.source), reason)
                     if b.source is Medium.DISK and b.reason in ("corrupt", "missing") and placement.disk is not None:
                         placement.disk.remove([b.block_hash])  # never claim it again
+                        placement.events.removed(Medium.DISK, [b.block_hash])
             num_ok = next((i for i, b in enumerate(handle.plans) if not b.ok), len(handle.plans))
+            if handle.count:
+                self._count_unserved(handle, num_ok)
+            self._publish_events(handle)
             loaded = handle.plans[:num_ok]
             for b in loaded:
                 stats.loaded_blocks[b.source] += 1
@@ -308,13 +359,49 @@ class Prefetcher:
             return LoadResult([b.top_id for b in loaded], [b.source for b in loaded], lease,
                               [b.fingerprint for b in loaded])
 
-    def _cancel(self, plans: list[BlockPlan], job_ids: list[int], lease: Lease) -> None:
+    def discard(self, handle: PrefetchHandle) -> LoadResult:
+        """A handle of an older generation (a reset came in between, or a ``fork()``): free
+        its slots (its jobs are done or do not exist here), publish nothing."""
+        with self._residency.lock:
+            if handle._abandon is not None:
+                handle._abandon.detach()
+            self._free_slots(handle.plans, handle.generation)
+            handle.lease.release()
+            return LoadResult([], [], self._residency.lease([]))
+
+    def _publish_events(self, handle: PrefetchHandle) -> None:
+        """KV events of the copies this load published: the top pool (and the CPU staging
+        slab) now hold the blocks that arrived."""
+        events, top = self.placement.events, self.placement.top
+        if not events.active:
+            return
+        chain = [b.block_hash for b in handle.plans]
+        events.stored_runs(top.medium, chain, [b.block_hash for b in handle.plans if b.ok and b.source is not top.medium])
+        events.stored(Medium.CPU, [b.block_hash for b in handle.plans if b.ok and b.staging_id is not None])
+
+    def _count_unserved(self, handle: PrefetchHandle, num_ok: int) -> None:
+        """Misses of a counted load: the blocks after the first failure (a failed one by its
+        load-failure reason, a loaded one as after_gap) and those planned out."""
+        unserved = list(handle.unserved)
+        for b in handle.plans[num_ok:]:
+            tier = str(b.source)
+            if b.ok:
+                unserved.append((misses.AFTER_GAP, tier, ""))
+            else:
+                reason = b.reason or "error"
+                unserved.append((misses.load_failure_reason(tier, reason), tier, reason))
+        misses.count(self._stats.miss_tokens, unserved, self.placement.spec.block_size)
+
+    def _cancel(self, plans: list[BlockPlan], job_ids: list[int], lease: Lease, generation: int) -> None:
         """Clean up an abandoned prefetch (the caller holds the store's lock)."""
         self.engine.wait(job_ids)
+        self._free_slots(plans, generation)
+        lease.release()
+
+    def _free_slots(self, plans: list[BlockPlan], generation: int) -> None:
         top, cpu = self.placement.top, self.placement.pool(Medium.CPU)
         for b in plans:
             if b.source is not top.medium:
-                self._residency.free_pending(top, [b.block_hash])
+                self._residency.free_pending(top, [b.block_hash], generation)
             if b.staging_id is not None and cpu is not None:
-                self._residency.free_pending(cpu, [b.block_hash])
-        lease.release()
+                self._residency.free_pending(cpu, [b.block_hash], generation)

@@ -50,6 +50,24 @@ class Lease:
         self.release()
 
 
+@dataclass(frozen=True, slots=True)
+class PromptInfo:
+    """What a connector knows of a prompt beyond its block hashes; given with a lookup or a
+    store, it lets the store say why tokens missed (:mod:`kvtier.store.misses`).
+
+    Attributes:
+        num_tokens: prompt tokens; those after the blocks looked up (the partial tail block,
+            and the last token a connector always leaves to prefill) count as ``partial_tail``.
+        content_keys: :func:`kvtier.hashing.content_keys` of the prompt, aligned with the
+            block hashes (index ``i`` for block ``i``; may be longer); ``None``: unknown.
+        root: the chain's namespace (``KeyContext.namespace()``); ``None``: the store's.
+    """
+
+    num_tokens: int | None = None
+    content_keys: Sequence[bytes] | None = None
+    root: bytes | None = None
+
+
 @dataclass(slots=True)
 class LookupResult:
     """Longest cached prefix of a block hash chain.
@@ -105,6 +123,29 @@ class StoreHandle:
     lease: Lease
     abandon: Any = None
     """Finalizer that frees the slots if the handle is dropped without ``complete_store``."""
+    generation: int = 0
+    """The store's generation when the slots were reserved: completed after a reset (a newer
+    generation), the handle publishes nothing."""
+    parent: BlockHash | None = None
+    """The request's block before ``block_hashes[0]`` when known (a later chunk of a
+    ``store_with``): the parent of its KV event (kvtier.store.events)."""
+
+
+@dataclass(slots=True)
+class ResetResult:
+    """What :meth:`TieredStore.reset` emptied.
+
+    Attributes:
+        dropped_blocks: blocks dropped per tier (``"GPU"``, ``"CPU"``, ``"DISK"``, and
+            ``"REMOTE"`` when the REMOTE namespace was emptied: blocks the backend deleted).
+        remote_cleared: ``True`` when the REMOTE namespace was emptied; ``False`` when the
+            backend cannot empty a namespace or could not be reached (the blocks there stay
+            until they are evicted; call reset again); ``None``: no REMOTE tier, or
+            ``reset(remote=False)``.
+    """
+
+    dropped_blocks: dict[str, int]
+    remote_cleared: bool | None
 
 
 @dataclass
@@ -121,9 +162,25 @@ class StoreStats:
     load_failures_by_tier: Counter = field(default_factory=Counter)  # the same events by (source medium, reason)
     store_failures: Counter = field(default_factory=Counter)  # by reason (DISK full, I/O error)
     loaded_blocks: Counter = field(default_factory=Counter)  # by source medium
+    miss_tokens: Counter = field(default_factory=Counter)
+    """Prompt tokens a counted lookup or load did not serve, by ``(reason, tier)``
+    (:mod:`kvtier.store.misses`; tier ``""`` where none applies)."""
     computed_tokens: int = 0  # prompt tokens the engine prefilled after the cached prefix (set by connectors)
     ttft_saved_s: float | None = None
-    """Prefill seconds the cache saved, as a connector estimates them; ``None`` until one
-    does. A hook: no kvtier connector estimates it yet (metrics, the dashboard and ``kvtier
-    stats`` show it when set). Both connector counts go through
+    """Prefill seconds the cache saved, as a connector estimates them (cached tokens times
+    the engine's measured prefill seconds per token, minus the load time spent; a request
+    whose load cost more than it saved adds 0 here and the difference to ``ttft_lost_s``);
+    ``None`` until a connector reports. Both connector counts go through
     ``TieredStore.record_computed_tokens`` (under the store's lock)."""
+    ttft_lost_s: float = 0.0
+    """Seconds by which loads took longer than recomputing would have (per request)."""
+
+
+def check_connector_counts(num_tokens: int, ttft_saved_s: float | None, ttft_lost_s: float) -> None:
+    """What ``TieredStore.record_computed_tokens`` accepts. Raises ``ValueError`` for a
+    negative or non-integer token count, a negative or non-finite time."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"expected a token count >= 0, got {num_tokens!r}")
+    for name, value in (("ttft_saved_s", ttft_saved_s), ("ttft_lost_s", ttft_lost_s)):
+        if value is not None and not (isinstance(value, (int, float)) and 0 <= value < float("inf")):
+            raise ValueError(f"expected {name} >= 0 seconds, got {value!r}")

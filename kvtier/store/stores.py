@@ -4,7 +4,8 @@
 writes ``top.tensor[handle.block_ids]``; ``complete`` publishes them (a store counts as a use,
 tail first: case E1), starts the background writes (write-through, REMOTE put), or frees the
 slots when the write failed. A handle dropped without ``complete`` frees its slots from its
-finalizer. ``store_with`` runs both steps in chunks of half the top pool, so that a request
+finalizer. A handle completed after a reset (an older generation: see
+:mod:`kvtier.store.residency`) publishes nothing and writes nothing down. ``store_with`` runs both steps in chunks of half the top pool, so that a request
 longer than the top pool still goes through (earlier chunks spill down); the chunks already
 stored are protected from being dropped, so a request larger than every tier keeps its head
 (what a later prompt can hit), not its tail.
@@ -16,9 +17,11 @@ import weakref
 from functools import partial
 from typing import Callable, Sequence
 
+from kvtier.store.misses import MissMemory
 from kvtier.store.placement import Placement
 from kvtier.store.residency import Residency
 from kvtier.store.results import StoreHandle, StoreStats
+from kvtier.store.trace import StoreTrace
 from kvtier.store.writes import BackgroundWrites
 from kvtier.types import NO_FINGERPRINT, BlockHash, Fingerprint
 
@@ -43,6 +46,10 @@ class StorePath:
     ) -> None:
         self._placement, self._residency, self._writes = placement, residency, writes
         self._stats, self._check_open = stats, check_open
+        self.trace: StoreTrace | None = None
+        """Where completed stores are recorded (``config.trace_path``), if anywhere."""
+        self.memory: MissMemory | None = None
+        """Forgets the failed verification of blocks stored again (kvtier.store.misses)."""
 
     def prepare(
         self, block_hashes: Sequence[BlockHash], fingerprints: Sequence[Fingerprint] | None = None
@@ -74,9 +81,10 @@ class StorePath:
                     block_ids.append(block_id)
                     indices.append(i)
                 chain.append(h)
-            handle = StoreHandle(new_hashes, block_ids, indices, len(chain), residency.lease(chain))
+            generation = residency.generation
+            handle = StoreHandle(new_hashes, block_ids, indices, len(chain), residency.lease(chain), generation=generation)
             handle.abandon = weakref.finalize(
-                handle, residency.defer_or_run, partial(residency.free_pending, top, new_hashes)
+                handle, residency.defer_or_run, partial(residency.free_pending, top, new_hashes, generation)
             )
             present.release()
             return handle
@@ -88,13 +96,20 @@ class StorePath:
             top = placement.top
             if handle.abandon is not None:
                 handle.abandon.detach()
-            if not success:
-                residency.free_pending(top, handle.block_hashes)
+            if not success or not residency.is_current(handle.generation):
+                residency.free_pending(top, handle.block_hashes, handle.generation)
                 handle.lease.release()
                 return
             for h in handle.block_hashes:
                 residency.end_pending(top.medium, h)
             self._stats.stored_blocks[top.medium] += len(handle.block_hashes)
+            chain = handle.lease.block_hashes
+            placement.events.stored_runs(top.medium, (handle.parent, *chain) if handle.parent else chain,
+                                         handle.block_hashes)
+            if self.memory is not None:
+                self.memory.note_stored(handle.block_hashes, None, placement.namespace)
+            if self.trace is not None:
+                self.trace.record("store", handle.lease.block_hashes)
             placement.touch_tail_first(handle.lease.block_hashes, frozenset(handle.block_hashes))
             if placement.write_policy == "write_through":
                 self._writes.write_through(handle.block_hashes)
@@ -133,6 +148,7 @@ class StorePath:
         for start in range(0, len(block_hashes), chunk):
             fps = None if fingerprints is None else fingerprints[start : start + chunk]
             handle = self.prepare(block_hashes[start : start + chunk], fps)
+            handle.parent = block_hashes[start - 1] if start else None
             ok = False
             try:
                 if handle.block_ids:

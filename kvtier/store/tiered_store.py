@@ -17,6 +17,7 @@ Protocol (the order every caller follows; vLLM kv_offload/abstract.py names the 
     (caller writes top.tensor[handle.block_ids])
     complete_store(handle, ok)                        publishes (or frees) them
     store(block_hashes, blocks) / store_with(block_hashes, write)   both store steps, chunked
+    reset()                                           every tier empty (kvtier.store.reset)
 
 Verified hits: a block hash decides where to look, never alone what is served. Every tier
 keeps with each block the fingerprint of the tokens it was computed from
@@ -49,12 +50,19 @@ import torch
 
 from kvtier.checks import check_block_hashes, check_fingerprints, check_namespace
 from kvtier.config import StoreConfig
+from kvtier.store import misses
+from kvtier.store.events import AllBlocksCleared, EventBatch, KVEventPublisher
 from kvtier.store.lookup import ChainLookup
+from kvtier.store.misses import Explanation, MissMemory
 from kvtier.store.placement import Placement, make_pools
 from kvtier.store.prefetch import Prefetcher, PrefetchHandle
+from kvtier.store.reset import empty_local_tiers, empty_remote
 from kvtier.store.residency import Residency
-from kvtier.store.results import LoadResult, LookupResult, StoreHandle, StoreStats
+from kvtier.store.results import (
+    LoadResult, LookupResult, PromptInfo, ResetResult, StoreHandle, StoreStats, check_connector_counts,
+)
 from kvtier.store.stores import StorePath
+from kvtier.store.trace import open_trace
 from kvtier.store.writes import BackgroundWrites
 from kvtier.tiers.backend import RemoteBackend, make_remote
 from kvtier.tiers.disk import DiskTier
@@ -105,12 +113,30 @@ class TieredStore:
         self.remote = self._open_remote(remote)
         self.stats = StoreStats()
         self.residency = Residency()
-        self.placement = Placement(spec, namespace, config.write_policy, self.pools, self.disk, self.residency, self.stats)
+        self.events = KVEventPublisher(spec.block_size)
+        """KV events of this store (kvtier.store.events): subscribe, queue or keep a history."""
+        self.name: str | None = None
+        """A display name (a connector sets the model id): metrics, ``/v1/stats`` and
+        ``kvtier stats`` name the store by it rather than by its namespace."""
+        self.placement = Placement(
+            spec, namespace, config.write_policy, self.pools, self.disk, self.residency, self.stats, self.events
+        )
         self._closed = False
-        self._lookups = ChainLookup(self.placement, self.residency, self.stats, self.remote, namespace, self._check_open)
+        self.misses = MissMemory()
+        self.trace = open_trace(config, spec, self.pools, self.disk)
+        self._lookups = ChainLookup(
+            self.placement, self.residency, self.stats, self.remote, namespace, self._check_open, self.misses
+        )
+        self._lookups.trace = self.trace
         self._start_io()
         ref = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: (store := ref()) is not None and store._after_fork_in_child())
+        # The forking thread holds the store's lock across fork(): no other thread is then in
+        # the middle of changing the pools or the pins, so the child's copy is consistent.
+        os.register_at_fork(
+            before=lambda: (store := ref()) is not None and store.residency.lock.acquire(),
+            after_in_parent=lambda: (store := ref()) is not None and store.residency.lock.release(),
+            after_in_child=lambda: (store := ref()) is not None and store._after_fork_in_child(),
+        )
         self.observe: Callable[[str, float], None] | None = None
         """Latency hook: ``observe(op, seconds)`` after each ``lookup``, ``load`` (prefetch
         submit to ``wait`` done) and ``store`` (``store``/``store_with``); kvtier.metrics
@@ -139,8 +165,10 @@ class TieredStore:
         self._writes = BackgroundWrites(self.placement, self.residency, self.engine, self.stats, self.remote)
         self.placement.wait_for_writes = partial(self._writes.reap, wait=True)
         self._stores = StorePath(self.placement, self.residency, self._writes, self.stats, self._check_open)
+        self._stores.trace, self._stores.memory = self.trace, self.misses
         self._prefetcher = Prefetcher(
-            self.placement, self.residency, self.engine, self.stats, self.config.num_io_threads, self._observe
+            self.placement, self.residency, self.engine, self.stats, self.config.num_io_threads, self._observe,
+            self.misses,
         )
 
     # -- where blocks are --------------------------------------------------------------------
@@ -169,7 +197,7 @@ class TieredStore:
     # -- lookups and loads -------------------------------------------------------------------
     def lookup(
         self, block_hashes: Sequence[BlockHash], pin: bool = False, request_id: str | None = None,
-        blocking: bool = True,
+        blocking: bool = True, prompt: PromptInfo | None = None,
     ) -> LookupResult | None:
         """Longest prefix of ``block_hashes`` present in any tier, the REMOTE tier last (asked
         only for the blocks after the local prefix, outside the store's lock). Touches no
@@ -180,25 +208,29 @@ class TieredStore:
                 schedule) is not counted again in ``stats`` (case M1).
             blocking: ``False``: return ``None`` at once if another thread holds the store's
                 lock, and never ask REMOTE (an event loop can call it inline: the daemon).
+            prompt: what the caller knows of the prompt (its length, content keys), so the
+                misses are counted with their reasons (kvtier.store.misses).
         """
         _check_hashes(block_hashes)
         t0 = time.perf_counter()
-        walked = self._lookups.walk(block_hashes, request_id, pin=pin, blocking=blocking)
+        walked = self._lookups.walk(block_hashes, request_id, pin=pin, blocking=blocking, prompt=prompt)
         if walked is None:
             return None
-        media, lease = walked
+        media, lease = walked.media, walked.lease
         self._observe("lookup", t0)
         return LookupResult(len(media), media, lease)
 
     def prefetch(
         self, block_hashes: Sequence[BlockHash], request_id: str | None = None, count: bool = True,
-        fingerprints: Sequence[Fingerprint] | None = None,
+        prompt: PromptInfo | None = None, fingerprints: Sequence[Fingerprint] | None = None,
     ) -> PrefetchHandle:
         """Pin the cached prefix of ``block_hashes`` and start bringing it into the top pool
         (REMOTE blocks included: asked for first, outside the lock). Returns at once;
         ``handle.wait()`` gives the :class:`LoadResult`. Counted as a lookup exactly as
-        :meth:`lookup` counts it; ``request_id``: see :meth:`lookup`; ``count=False``: not a
-        lookup (the daemon's get, whose lookup was counted already).
+        :meth:`lookup` counts it, and the blocks found but not loaded (beyond the top pool,
+        failed, of other tokens, ...) as misses on ``wait``; ``request_id``, ``prompt``: see
+        :meth:`lookup`; ``count=False``: not a lookup (the daemon's get, whose lookup was counted
+        already).
 
         Args:
             fingerprints: the request's token fingerprint of each block
@@ -211,20 +243,39 @@ class TieredStore:
         """
         _check_hashes(block_hashes)
         fingerprints = check_fingerprints(fingerprints, len(block_hashes))
-        media, _ = self._lookups.walk(block_hashes, request_id, count=count)
+        walk = self._lookups.walk(block_hashes, request_id, count=count, prompt=prompt, load=True)
         with self.residency.lock:
             self._check_open()
             self._writes.reap()
-            return self._prefetcher.plan(block_hashes, media, fingerprints)
+            return self._prefetcher.plan(block_hashes, walk.media, fingerprints, walk.counted, self.namespace,
+                                         walk.generation)
 
     def load(
         self, block_hashes: Sequence[BlockHash], request_id: str | None = None, count: bool = True,
-        fingerprints: Sequence[Fingerprint] | None = None,
+        prompt: PromptInfo | None = None, fingerprints: Sequence[Fingerprint] | None = None,
     ) -> LoadResult:
         """``prefetch(block_hashes, ..., fingerprints).wait()``: the leading cached blocks in
         the top pool, pinned. Shorter than asked when a block is missing, corrupt, of other
         tokens or finds no slot."""
-        return self.prefetch(block_hashes, request_id, count, fingerprints).wait()
+        return self.prefetch(block_hashes, request_id, count, prompt, fingerprints).wait()
+
+    def explain(self, block_hashes: Sequence[BlockHash], prompt: PromptInfo | None = None) -> Explanation:
+        """Where each block of ``block_hashes`` would hit and why the rest would miss, as a
+        load would see them now (REMOTE asked for what the local tiers miss); counts
+        nothing, pins nothing, moves nothing (kvtier.store.misses)."""
+        _check_hashes(block_hashes)
+        walk = self._lookups.walk(block_hashes, count=False)
+        with self.residency.lock:
+            self._check_open()
+            return misses.explain(self.placement, self.misses, block_hashes, walk.media, walk.remote_down, prompt,
+                                  self.namespace)
+
+    def events_snapshot(self) -> EventBatch:
+        """An ``AllBlocksCleared`` then a ``BlockStored`` per tier of every block held now,
+        numbered with the last published batch's ``seq`` (a stream resumes after it)."""
+        with self.residency.lock:  # events are published under this lock: seq and blocks agree
+            self._check_open()
+            return self.events.snapshot(self.placement.held_blocks())
 
     # -- stores ------------------------------------------------------------------------------
     def prepare_store(
@@ -262,11 +313,11 @@ class TieredStore:
             for i0, b0, n in slot_runs(list(zip(indices, block_ids))):
                 top[b0 : b0 + n].copy_(blocks[i0 : i0 + n])  # synchronous: the caller may reuse `blocks`
 
-        return self.store_with(block_hashes, write, fingerprints)
+        return self.store_with(block_hashes, write, fingerprints=fingerprints)
 
     def store_with(
         self, block_hashes: Sequence[BlockHash], write: Callable[[list[int], list[int]], None],
-        fingerprints: Sequence[Fingerprint] | None = None,
+        prompt: PromptInfo | None = None, fingerprints: Sequence[Fingerprint] | None = None,
     ) -> int:
         """Store a request's blocks in chunks of at most half the top pool, so that a request
         larger than the top pool still goes through it (earlier chunks spill down, tail
@@ -276,6 +327,8 @@ class TieredStore:
             block_hashes: the request's full blocks, in order.
             write: ``write(indices, block_ids)`` copies request blocks ``indices`` into
                 ``top.tensor[block_ids]``; an exception frees the chunk's slots and propagates.
+            prompt: its content keys, when given, are remembered to explain later misses
+                under another namespace (kvtier.store.misses).
             fingerprints: each block's token fingerprint (default ``NO_FINGERPRINT``).
 
         Returns:
@@ -288,30 +341,64 @@ class TieredStore:
         fingerprints = check_fingerprints(fingerprints, len(block_hashes))
         t0 = time.perf_counter()
         stored = self._stores.store_with(block_hashes, write, fingerprints)
+        if prompt is not None:
+            with self.residency.lock:
+                self.misses.note_stored(block_hashes[:stored], prompt, self.namespace)
         self._observe("store", t0)
         return stored
 
-    def record_computed_tokens(self, num_tokens: int, ttft_saved_s: float | None = None) -> None:
+    def record_computed_tokens(
+        self, num_tokens: int, ttft_saved_s: float | None = None, ttft_lost_s: float = 0.0
+    ) -> None:
         """Count what a connector reports after a prefill, under the store's lock: the prompt
         tokens the engine prefilled itself after the cached prefix (``stats.computed_tokens``)
         and, when it can estimate them, the prefill seconds the cache saved
-        (``stats.ttft_saved_s``).
+        (``stats.ttft_saved_s``) or lost (``stats.ttft_lost_s``: a load slower than
+        recomputing; kvtier.connectors.ttft).
 
         Raises:
             ValueError: a negative or non-integer token count, a negative or non-finite time.
         """
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-            raise ValueError(f"expected a token count >= 0, got {num_tokens!r}")
-        if ttft_saved_s is not None and not (isinstance(ttft_saved_s, (int, float)) and 0 <= ttft_saved_s < float("inf")):
-            raise ValueError(f"expected ttft_saved_s >= 0 seconds, got {ttft_saved_s!r}")
+        check_connector_counts(num_tokens, ttft_saved_s, ttft_lost_s)
         with self.residency.lock:
             self.stats.computed_tokens += num_tokens
             if ttft_saved_s is not None:
                 self.stats.ttft_saved_s = (self.stats.ttft_saved_s or 0.0) + float(ttft_saved_s)
+                self.stats.ttft_lost_s += float(ttft_lost_s)
 
     # -- lifecycle ---------------------------------------------------------------------------
-    # (A future ``reset()`` belongs here: under the lock, reap and wait the background writes,
-    # then empty the pools, DISK and the residency state, as close() tears them down.)
+    def reset(self, remote: bool = True) -> ResetResult:
+        """Empty every tier for this store: the memory pools, its DISK records and (with
+        ``remote``, when the backend can) its REMOTE namespace, for every process sharing it.
+        Counters are kept; usage goes to 0. What is in flight (:mod:`kvtier.store.reset`):
+        a prefetch publishes nothing (its ``wait()`` is an empty LoadResult) and frees its
+        slots; a store prepared before publishes nothing; a LoadResult's blocks keep their
+        bytes until its lease is released; background writes land before the reset.
+
+        Raises:
+            RuntimeError: the store is closed, or this is a forked child (DISK is read-only
+                here; nothing was changed).
+        """
+        with self.residency.lock:
+            self._check_open()
+            self._writes.reap(wait=True)  # in flight: land now, never after the reset
+            dropped = empty_local_tiers(self.pools, self.disk, self.residency)
+            if self.events.active:  # subscribers (a router) forget every block of this store
+                self.events.publish([AllBlocksCleared()])
+            clear_remote = remote and self.remote is not None
+            if clear_remote:
+                self._lookups.remote_clearing += 1
+        if not clear_remote:
+            return ResetResult(dropped, None)
+        try:
+            removed = empty_remote(self.remote, self.namespace)
+        finally:
+            with self.residency.lock:
+                self._lookups.remote_clearing -= 1
+        if removed is not None:
+            dropped["REMOTE"] = removed
+        return ResetResult(dropped, removed is not None)
+
     def wait_for_writes(self) -> None:
         """Block until background writes (write-through to DISK, puts to REMOTE) are done
         and released."""
@@ -341,6 +428,8 @@ class TieredStore:
                 self.disk.close()
             if self._owns_remote:
                 self.remote.close()
+            if self.trace is not None:
+                self.trace.close()
             self._closed = True
 
     def __enter__(self) -> "TieredStore":
@@ -373,8 +462,11 @@ class TieredStore:
     def _after_fork_in_child(self) -> None:
         """A forked child may read (its own read-only DISK view, new I/O threads: the
         parent's do not exist in the child) and use its copies of the memory tiers; it never
-        writes the parent's DISK directory (guarantee 5, docs/reliability.md)."""
-        self.residency.after_fork_in_child()
+        writes the parent's DISK directory (guarantee 5, docs/reliability.md). It starts with
+        no pin and no pending slot: those of the parent's prefetches and stores are dropped
+        and their slots freed, and their handles are inert here (kvtier.store.residency)."""
+        self.residency.after_fork_in_child(self.pools)  # no pin or pending slot of the parent's threads
+        self._lookups.remote_clearing = 0
         self._executor = ThreadPoolExecutor(self.config.num_io_threads, thread_name_prefix="kvtier-io")
         if self._closed:
             return

@@ -42,7 +42,8 @@ class BackgroundWrites:
         return bool(self._jobs)
 
     def after_fork_in_child(self, engine: TransferEngine) -> None:
-        """The parent's jobs do not exist in a forked child; its pins stay (never released)."""
+        """The parent's jobs do not exist in a forked child (their pins were dropped with
+        the parent's generation: kvtier.store.residency)."""
         self._jobs.clear()
         self._placement.disk_in_flight.clear()
         self.engine = engine
@@ -97,6 +98,7 @@ class BackgroundWrites:
                 self._stats.stored_blocks[Medium.REMOTE] += sum(result.ok)
             else:
                 self._stats.spilled_blocks[medium] += sum(result.ok)
+                self._placement.events.stored(medium, [h for h, ok in zip(lease.block_hashes, result.ok) if ok])
             for reason in result.reasons.values():
                 self._stats.store_failures[reason] += 1
         return True

@@ -114,6 +114,15 @@ class MemoryRemote:
                 break
         return ok
 
+    def clear_namespace(self, namespace: bytes) -> int:
+        """Delete every record of ``namespace`` (it stays registered); returns how many."""
+        check_namespace(namespace)
+        with self._lock:
+            keys = [key for key in self.records if key[0] == namespace]
+            for key in keys:
+                del self.records[key]
+        return len(keys)
+
     def close(self) -> None:
         self._closed = True
 

@@ -62,6 +62,11 @@ class RemoteBackend(Protocol):
     def close(self) -> None:
         """Release connections. Idempotent."""
 
+    # Optional (not part of the runtime check, so that a backend without it still is one):
+    # ``clear_namespace(namespace) -> int | None`` deletes every block of ``namespace`` (it
+    # stays registered) and returns how many, or ``None`` when the remote could not be
+    # reached; ``TieredStore.reset`` calls it when present (RedisTier, MemoryRemote).
+
 
 def make_remote(url: str, token: str | None = None, timeout_s: float = 2.0) -> RemoteBackend:
     """Backend for a ``remote_url``: ``http(s)://`` -> RemoteTier, ``redis://``,

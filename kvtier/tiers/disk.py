@@ -154,6 +154,12 @@ class DiskTier:
         with self._lock:
             return iter(list(self._lru.eviction_order()))
 
+    def was_evicted(self, block_hash: BlockHash) -> bool:
+        """Whether ``block_hash`` was evicted from DISK recently (the last 65,536 victims of
+        this process; not remembered across restarts) and not written again since."""
+        with self._lock:
+            return self._lru.was_evicted(block_hash)
+
     def touch(self, block_hash: BlockHash) -> None:
         """A use: most recent, protected from scans."""
         with self._lock:
@@ -229,7 +235,7 @@ class DiskTier:
                     results.append(True)
         except (lmdb.Error, OSError, struct.error) as exc:
             # Nothing of this transaction is visible; the index is unchanged.
-            logger.warning("DISK write of %d blocks failed: %s", len(puts), exc)
+            logger.warning("DISK write of %d blocks failed: %s", len(puts), str(exc))  # text, not the exception
             return [False] * len(puts)
         for h in deletes:
             self._forget(h, evicted)
@@ -255,6 +261,24 @@ class DiskTier:
             return
         with self._lock:
             self._write_batch((), [h for h in block_hashes if h in self._lru], False)
+
+    def clear(self) -> int:
+        """Drop every record in one write transaction and fsync (a reset: it must not come
+        back after a power loss). Returns the records dropped. Reads in flight finish on the
+        snapshot they began with (LMDB's MVCC).
+
+        Raises:
+            RuntimeError: a read-only view (a forked child's): the parent owns the directory.
+        """
+        if self.read_only:
+            raise RuntimeError(f"DISK tier at {self.path} is read-only in this process (forked); "
+                               "reset it from the process that opened it")
+        with self._lock:
+            dropped = _drop_all(self.env)
+            self._lru.clear()
+            self._fingerprints.clear()
+            self._used = 0
+            return dropped
 
     def _forget(self, block_hash: BlockHash, evicted: bool = False) -> None:
         if block_hash in self._lru:
@@ -360,6 +384,43 @@ class DiskTier:
         assert self._foreign_used == sum(foreign.values()), "DISK usage of other versions is off"
         assert self._used == sum(on_disk.values()) + self._foreign_used, "DISK usage accounting is off"
         assert self._used <= self.capacity_bytes, "DISK capacity exceeded"
+
+
+def clear_directory(path: str | os.PathLike) -> int:
+    """Empty the DISK tier in ``path`` offline (no store open on it): every record dropped in
+    one write transaction, fsynced. Returns the records dropped.
+
+    Raises:
+        FileNotFoundError: ``path`` holds no DISK tier (nothing is created).
+        RuntimeError: a store (in this process or another) has ``path`` open.
+        ImportError: the ``lmdb`` package is not installed.
+    """
+    path = Path(path)
+    if not (path / "data.mdb").is_file():
+        raise FileNotFoundError(f"expected a kvtier DISK tier (data.mdb) in {path}")
+    if lmdb is None:
+        raise ImportError("clearing a DISK tier needs the lmdb package: pip install lmdb")
+    lock_file = _lock_directory(path)
+    try:
+        # room for the freed pages' list on top of what the file holds
+        map_size = (path / "data.mdb").stat().st_size + (64 << 20)
+        env = lmdb.open(str(path), subdir=True, create=False, max_dbs=0, map_size=map_size)
+        try:
+            return _drop_all(env)
+        finally:
+            env.close()
+    finally:
+        lock_file.close()
+
+
+def _drop_all(env) -> int:
+    """Delete every key of ``env``'s main database in one transaction, then fsync."""
+    main_db = env.open_db()  # the unnamed database: a handle, no transaction
+    with env.begin(write=True) as txn:
+        dropped = txn.stat()["entries"]
+        txn.drop(main_db, delete=False)
+    env.sync(True)
+    return dropped
 
 
 def _lock_directory(path: Path):

@@ -63,6 +63,11 @@ class SegmentedLRU(Generic[K, V]):
     def is_protected(self, key: K) -> bool:
         return key in self._protected
 
+    def was_evicted(self, key: K) -> bool:
+        """Whether ``key`` is a ghost: evicted recently (among the last ``max_ghosts``
+        victims) and not indexed again since. Read-only (explains misses)."""
+        return key in self._ghosts
+
     def add(self, key: K, value: V) -> None:
         """Insert a new entry at the most recent end of probation (of protected, when it was
         evicted recently)."""

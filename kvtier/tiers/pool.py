@@ -15,7 +15,7 @@ pinned blocks) and where a victim goes. Expected pressure is a return value:
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -61,6 +61,7 @@ class BlockPool:
         self._fingerprints: list[Fingerprint] = [NO_FINGERPRINT] * num_blocks  # per slot
         # block_hash -> block_id, in eviction order (kvtier.tiers.lru).
         self._lru: SegmentedLRU[BlockHash, int] = SegmentedLRU(max_ghosts=2 * num_blocks)
+        self._held: set[int] = set()  # slots out of the index, not free: see clear(hold=...)
 
     # -- queries ---------------------------------------------------------------------------
     def __contains__(self, block_hash: BlockHash) -> bool:
@@ -98,6 +99,11 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self._free)
 
+    def was_evicted(self, block_hash: BlockHash) -> bool:
+        """Whether ``block_hash`` was evicted from this pool recently (its ghost list: the
+        last ``2 * num_blocks`` victims) and not stored here again since."""
+        return self._lru.was_evicted(block_hash)
+
     def lru_order(self) -> Iterator[BlockHash]:
         """Block hashes in eviction order (probation LRU first, then protected LRU); lazy:
         do not change the pool while iterating."""
@@ -133,14 +139,34 @@ class BlockPool:
         self._fingerprints[block_id] = NO_FINGERPRINT
         return block_id
 
-    def clear(self) -> None:
+    def clear(self, hold: Sequence[BlockHash] = ()) -> dict[BlockHash, int]:
+        """Empty the index (and the eviction policy's memory). The slots of the blocks in
+        ``hold`` (someone still reads or writes them) leave the index but are not free:
+        returns ``{block_hash: block_id}`` of those, each to be given back with
+        :meth:`release_slot`."""
+        held = {h: self._lru[h] for h in hold if h in self._lru}
         self._lru.clear()
-        self._free = list(range(self.num_blocks - 1, -1, -1))
-        self._fingerprints = [NO_FINGERPRINT] * self.num_blocks
+        self._held.update(held.values())
+        self._free = [i for i in range(self.num_blocks - 1, -1, -1) if i not in self._held]
+        for i in self._free:
+            self._fingerprints[i] = NO_FINGERPRINT
+        return held
+
+    def release_slot(self, block_id: int) -> None:
+        """Free a slot that :meth:`clear` held."""
+        self._held.remove(block_id)
+        self._fingerprints[block_id] = NO_FINGERPRINT
+        self._free.append(block_id)
+
+    @property
+    def num_held(self) -> int:
+        """Slots held out of the index by :meth:`clear`, not yet released."""
+        return len(self._held)
 
     def check(self) -> None:
-        """Invariant check for tests: every slot is either free or owned by one hash."""
+        """Invariant check for tests: every slot is free, owned by one hash or held."""
         owned = list(self._lru.values())
         assert len(set(owned)) == len(owned), "two hashes share one slot"
         assert not set(owned) & set(self._free), "a slot is both owned and free"
-        assert len(owned) + len(self._free) == self.num_blocks, "a slot leaked"
+        assert not self._held & (set(owned) | set(self._free)), "a held slot is owned or free"
+        assert len(owned) + len(self._free) + len(self._held) == self.num_blocks, "a slot leaked"

@@ -15,14 +15,19 @@ intact, and Redis's eviction (or its TTL) ages it out.
 
 Round trips: ``lookup`` is one pipeline of ``EXISTS`` (one round trip; on a cluster one per
 node, written to every node before any reply is read), ``get_into`` and ``put`` are pipelines
-of ``GET`` / ``SET NX`` in chunks of at most ``max_batch_bytes``.
+of ``GETRANGE key 0 <record size>`` / ``SET NX`` in chunks of at most ``max_batch_bytes``.
+``GETRANGE`` rather than ``GET``: Redis itself then never sends more than one byte past a
+record, so a value that is too long (written by something else) costs one record's bytes, is
+``CORRUPT`` and is deleted; a missing key is an empty string.
 
-Copies: a put sends the record header and then the block's own memory (redis-py's Python
-command packer passes large buffers to ``sendall`` untouched; :func:`client_options` makes
-it the packer even when hiredis is installed, whose packer copies each value twice); the
-checksum is computed over the block in place. A get receives a ``bytes`` reply (hiredis
-parses it when installed) and :func:`~kvtier.records.decode_into` copies it into the
-caller's tensor while hashing: one copy after redis-py's.
+Copies and limits: see :mod:`kvtier.tiers.redis_conn`. A put sends the record header and the
+block's own memory (no record is assembled); a get's reply is one ``bytes`` object that
+:func:`~kvtier.records.decode_into` copies into the caller's tensor while hashing. Every call
+(``register``, ``lookup``, ``get_into``, ``put``) runs under one budget
+(:func:`~kvtier.tiers.redis_conn.call_budget`): a deadline of ``timeout_s`` plus its bytes at
+64 MiB/s for the whole call, connects and retries included, and a cap on what its replies may
+hold (a bulk string longer than the call can need, one record but at least 1 MiB, is refused
+before it is read; so are more bytes in all than its replies can take, plus 4 MiB).
 
 Namespaces: every call needs ``register(namespace, spec)`` first (the spec validates the
 caller's tensors). The spec is kept under the namespace's ``:spec`` key with ``SET NX``, so a
@@ -40,18 +45,25 @@ model's cache on a single slot, i.e. one node.
 Eviction is Redis's: run the server with ``maxmemory <bytes>`` and
 ``maxmemory-policy allkeys-lru`` (or ``allkeys-lfu``). Under ``noeviction`` a full server
 answers ``OOM`` and puts return ``False`` (counted as ``oom``). Optional TTL: ``ttl_s``
-(constructor or ``?ttl_s=`` in the URL) expires a block that long after its first write.
+(constructor or ``?ttl_s=`` in the URL) expires a block that long after its write or its
+last hit: a lookup asks ``PEXPIRE key <ttl>`` instead of ``EXISTS`` (1 when the key exists,
+which it then refreshes) and a get sends ``PEXPIRE`` after each ``GETRANGE`` in the same
+pipeline, so a block in use does not expire.
 
 Failures (the backend contract): nothing here raises for a remote-side problem. A refused
-connection, a timeout (``timeout_s`` per socket operation), a cluster that is down or a
-protocol error is a miss counted in ``errors`` by reason (``unavailable``, ``timeout``,
-``corrupt``, ``oom``, ``protocol``, ``conflict``); after one, calls return misses at once
-(counted as ``skipped``) for a pause of ``backoff_s`` doubling up to ``max_backoff_s``
-(kvtier.tiers.backoff, the same policy as the daemon's client), then the next call
-reconnects. redis-py retries a failed connection once (a pooled socket that went stale across
-a server restart) and never retries a timeout, so one call to a single node waits at most
-about ``2 * timeout_s``. On a cluster, a call whose keys include a node that is down
-is a miss as a whole (redis-py fails the pipeline), until the node is back or failed over.
+connection, a timeout (the call's deadline), a cluster that is down, a reply larger than the
+call can need or a protocol error is a miss counted in ``errors`` by reason
+(``unavailable``, ``timeout``, ``oversize``, ``corrupt``, ``oom``, ``protocol``,
+``conflict``); after one, calls return misses at once (counted as ``skipped``) for a pause of
+``backoff_s`` doubling up to ``max_backoff_s`` (kvtier.tiers.backoff, the same policy as the
+daemon's client), then the next call reconnects. redis-py retries a failed connection once (a
+pooled socket that went stale across a server restart) within the same deadline and never
+retries a timeout. On a cluster, a call whose keys include a node that is down is a miss as a
+whole (redis-py fails the pipeline), until the node is back or failed over.
+
+Emptying a namespace: :meth:`RedisTier.clear_namespace` (what ``TieredStore.reset`` calls)
+deletes its block keys with ``SCAN MATCH`` + ``UNLINK`` in batches on every primary; the
+spec key stays (the namespace stays registered).
 """
 
 from __future__ import annotations
@@ -74,14 +86,14 @@ try:
     )
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
-    from redis.connection import Connection, PythonRespSerializer, SSLConnection
     from redis.retry import Retry
 except ImportError:  # only RedisTier needs it
     redis = None  # type: ignore[assignment]
 
 from kvtier.checks import check_block_hashes, check_fingerprints, check_namespace, expected_fingerprints
-from kvtier.records import ReadStatus, decode_into, encode_header, encode_record, record_nbytes
+from kvtier.records import ReadStatus, decode_into, record_nbytes
 from kvtier.tiers.backoff import MAX_S, MIN_S, Backoff
+from kvtier.tiers.redis_conn import ReplyTooLarge, call_budget, client_options, record_value
 from kvtier.types import NO_FINGERPRINT, BlockHash, KVSpec
 from kvtier.wire import describe, pack_spec, unpack_spec
 
@@ -97,18 +109,19 @@ class RedisTier:
         url: ``redis://[[user]:password@]host:port[/db]``, ``rediss://...`` (TLS) or
             ``redis+cluster://[[user]:password@]host:port`` (any node of the cluster; the
             client discovers the rest). Query ``?ttl_s=SECONDS`` sets ``ttl_s``; other query
-            parameters go to redis-py.
-        timeout_s: seconds for each connect and socket read/write.
-        ttl_s: expire each block this many seconds after its first write; ``None``: never
-            (Redis's eviction policy decides).
-        max_batch_bytes: most record bytes in one ``GET``/``SET`` pipeline (bounds the memory
-            a batch holds; a larger batch is sent in several pipelines).
+            parameters go to redis-py (but ``protocol``: RedisTier speaks RESP2).
+        timeout_s: the deadline of each call, seconds, plus its bytes at 64 MiB/s (connects,
+            retries and every socket read and write included).
+        ttl_s: expire each block this many seconds after its write or its last hit;
+            ``None``: never (Redis's eviction policy decides).
+        max_batch_bytes: most record bytes in one ``GETRANGE``/``SET`` pipeline (bounds the
+            memory a batch holds; a larger batch is sent in several pipelines).
         backoff_s, max_backoff_s: how long Redis counts as down after a failed call
             (doubling per consecutive failure), seconds (:class:`~kvtier.tiers.backoff.Backoff`).
 
     Raises:
-        ValueError: a bad URL, scheme, ``ttl_s``, ``timeout_s``, ``max_batch_bytes`` or
-            backoff limits.
+        ValueError: a bad URL, scheme, ``ttl_s``, ``timeout_s``, ``max_batch_bytes``, backoff
+            limits, or a ``protocol`` in the URL.
         ImportError: redis-py is not installed.
     """
 
@@ -173,7 +186,8 @@ class RedisTier:
             if known is None:
                 self._unregistered.add(namespace)
         if namespace in self._unregistered:
-            registered, theirs = self._register_on_server(namespace)
+            with call_budget(self.timeout_s):
+                registered, theirs = self._register_on_server(namespace)
             if registered is False:
                 with self._lock:
                     self._unregistered.discard(namespace)
@@ -192,10 +206,15 @@ class RedisTier:
         """
         self._spec_of(namespace)
         check_block_hashes(block_hashes)
-        if not block_hashes or not self._usable(namespace):
+        if not block_hashes:
             return 0
         keys = [self._key(namespace, h) for h in block_hashes]
-        replies = self._pipeline([("EXISTS", k) for k in keys])
+        # With a TTL, PEXPIRE is the lookup: 1 when the key exists, whose TTL it refreshes.
+        commands = [("EXISTS", k) for k in keys] if self.ttl_ms is None else [("PEXPIRE", k, self.ttl_ms) for k in keys]
+        with call_budget(self.timeout_s, reply_nbytes=16 * len(keys)):
+            if not self._usable(namespace):
+                return 0
+            replies = self._pipeline(commands)
         if isinstance(replies, BaseException):
             return 0
         present = 0
@@ -231,19 +250,38 @@ class RedisTier:
         check_block_hashes(block_hashes)
         expected = expected_fingerprints(fingerprints, len(block_hashes))
         _check_tensors(outs, len(block_hashes), spec, "outs")
-        statuses = [ReadStatus.MISSING] * len(block_hashes)
         if not block_hashes:
-            return statuses
-        if not self._usable(namespace):
-            return [ReadStatus.UNAVAILABLE] * len(block_hashes)
-        chunk = max(1, self.max_batch_bytes // record_nbytes(spec.block_nbytes))
+            return []
+        size = record_nbytes(spec.block_nbytes)
+        n = len(block_hashes)
+        # A reply holds at most one record and one byte (GETRANGE 0..size: a longer value is
+        # seen as such, never read whole); the call reads at most n of them.
+        with call_budget(self.timeout_s, n * size, max_bulk=size + 1, reply_nbytes=n * (size + 64)):
+            if not self._usable(namespace):
+                return [ReadStatus.UNAVAILABLE] * n
+            return self._get_chunks(namespace, block_hashes, outs, expected, size)
+
+    def _get_chunks(
+        self, namespace: bytes, block_hashes: Sequence[BlockHash], outs: Sequence[torch.Tensor],
+        expected: Sequence[bytes | None], size: int,
+    ) -> list[ReadStatus]:
+        """``get_into``'s reads, ``max_batch_bytes`` of records per pipeline; each record's
+        header fingerprint is checked against ``expected`` (``None``: not checked)."""
+        statuses = [ReadStatus.MISSING] * len(block_hashes)
+        chunk = max(1, self.max_batch_bytes // size)
+        per_key = 1 if self.ttl_ms is None else 2  # GETRANGE [+ PEXPIRE: a hit refreshes the TTL]
         for start in range(0, len(block_hashes), chunk):
             keys = [self._key(namespace, h) for h in block_hashes[start : start + chunk]]
-            replies = self._pipeline([("GET", k) for k in keys])
+            commands: list[tuple] = []
+            for key in keys:
+                commands.append(("GETRANGE", key, 0, size))
+                if per_key == 2:
+                    commands.append(("PEXPIRE", key, self.ttl_ms))
+            replies = self._pipeline(commands)
             if isinstance(replies, BaseException):
                 statuses[start:] = [_status_of(replies)] * (len(block_hashes) - start)
                 return statuses
-            for i, (key, reply) in enumerate(zip(keys, replies), start):
+            for i, (key, reply) in enumerate(zip(keys, replies[::per_key]), start):
                 status = self._decode(namespace, key, reply, outs[i], expected[i])
                 statuses[i] = status
                 if status is not ReadStatus.OK:
@@ -272,26 +310,71 @@ class RedisTier:
         fps = check_fingerprints(fingerprints, len(block_hashes)) or [NO_FINGERPRINT] * len(block_hashes)
         _check_tensors(blocks, len(block_hashes), spec, "blocks")
         results = [False] * len(block_hashes)
-        if not block_hashes or not self._usable(namespace):
+        if not block_hashes:
             return results
-        options = {"nx": True} if self.ttl_ms is None else {"nx": True, "px": self.ttl_ms}
-        chunk = max(1, self.max_batch_bytes // record_nbytes(spec.block_nbytes))
-        for start in range(0, len(block_hashes), chunk):
-            commands = [
-                ("SET", self._key(namespace, h), _record_value(namespace, b, fp), options)
-                for h, b, fp in zip(
-                    block_hashes[start : start + chunk], blocks[start : start + chunk], fps[start : start + chunk]
-                )
-            ]
-            replies = self._pipeline(commands)
-            if isinstance(replies, BaseException):
+        size = record_nbytes(spec.block_nbytes)
+        with call_budget(self.timeout_s, len(block_hashes) * size, reply_nbytes=64 * len(block_hashes)):
+            if not self._usable(namespace):
                 return results
-            for i, reply in enumerate(replies, start):
-                if isinstance(reply, Exception):
-                    self._fail(reply)
-                else:
-                    results[i] = True  # True: written; None: NX found it present
+            options = {"nx": True} if self.ttl_ms is None else {"nx": True, "px": self.ttl_ms}
+            chunk = max(1, self.max_batch_bytes // size)
+            for start in range(0, len(block_hashes), chunk):
+                commands = [
+                    ("SET", self._key(namespace, h), record_value(namespace, b, fp), options)
+                    for h, b, fp in zip(
+                        block_hashes[start : start + chunk], blocks[start : start + chunk], fps[start : start + chunk]
+                    )
+                ]
+                replies = self._pipeline(commands)
+                if isinstance(replies, BaseException):
+                    return results
+                for i, reply in enumerate(replies, start):
+                    if isinstance(reply, Exception):
+                        self._fail(reply)
+                    else:
+                        results[i] = True  # True: written; None: NX found it present
         return results
+
+    def clear_namespace(self, namespace: bytes) -> int | None:
+        """Delete every block of ``namespace`` (its spec key stays: it stays registered), on
+        every primary of a cluster: ``SCAN MATCH kvtier:<namespace hex>:*`` in batches of
+        about 1,000 keys, each batch ``UNLINK`` ed (freed by Redis in the background) in one
+        pipeline, each round trip under its own ``timeout_s`` deadline.
+
+        Returns:
+            the number of blocks deleted, or ``None`` when Redis could not be reached or
+            failed part way (some blocks may be left: call again).
+
+        Raises:
+            ValueError: a bad namespace.
+        """
+        check_namespace(namespace)
+        if self._closed:
+            self.errors["closed"] += 1
+            return None
+        pattern = b"%s%s:*" % (KEY_PREFIX, namespace.hex().encode())
+        spec_key = self._spec_key(namespace)
+        deleted = 0
+        try:
+            with call_budget(self.timeout_s):
+                client = self._connect()
+                nodes = [client.get_redis_connection(n) for n in client.get_primaries()] if self.cluster else [client]
+            for node in nodes:
+                cursor = None
+                while cursor != 0:
+                    with call_budget(self.timeout_s, reply_nbytes=1 << 20):
+                        cursor, keys = node.scan(cursor=cursor or 0, match=pattern, count=1000)
+                        keys = [k for k in keys if k != spec_key]
+                        if keys:
+                            pipe = node.pipeline(transaction=False)
+                            for key in keys:  # one key per command: a cluster refuses cross-slot UNLINK
+                                pipe.unlink(key)
+                            deleted += sum(pipe.execute())
+        except (RedisError, RedisClusterException, OSError) as exc:
+            self._fail(exc)
+            return None
+        self._succeeded()
+        return deleted
 
     def close(self) -> None:
         """Release connections. Idempotent; later calls return misses."""
@@ -371,7 +454,7 @@ class RedisTier:
     def _decode(
         self, namespace: bytes, key: bytes, reply: object, out: torch.Tensor, fingerprint: bytes | None
     ) -> ReadStatus:
-        if reply is None:
+        if reply is None or reply == b"":  # GETRANGE of a missing key: an empty string
             return ReadStatus.MISSING
         if isinstance(reply, Exception):
             self._fail(reply)
@@ -419,7 +502,7 @@ class RedisTier:
             return self._client
 
     def _make_client(self):
-        options = client_options(self.timeout_s, tls=self._client_url.startswith("rediss:"))
+        options = client_options(self.timeout_s, tls=self._client_url.startswith("rediss:"), guarded=True)
         if self.cluster:
             # Connects to discover the slot map: raises while the cluster is down (retried
             # on the next call after the backoff).
@@ -437,7 +520,8 @@ class RedisTier:
             if count & (count - 1) == 0:  # the 1st, 2nd, 4th, 8th, ...: a full server logs a few lines, not one per block
                 logger.warning("RedisTier: %s from %s (%d so far): %s", reason, self.url, count, message)
             return
-        self.errors["timeout" if isinstance(exc, RedisTimeoutError) else "unavailable"] += 1
+        reason = "timeout" if isinstance(exc, RedisTimeoutError) else "unavailable"
+        self.errors["oversize" if isinstance(exc, ReplyTooLarge) else reason] += 1
         with self._lock:
             # The server may come back empty (restart without persistence, failover): check
             # the namespaces' specs again before the next use.
@@ -448,84 +532,6 @@ class RedisTier:
 
     def _succeeded(self) -> None:
         self.backoff.succeeded()
-
-
-# -- zero-copy record values ----------------------------------------------------------------
-_READ_NBYTES = 1 << 20
-"""Socket reads of 1 MiB (redis-py's default is 64 KiB): a 2 MiB block's reply in 2 reads."""
-
-
-class _RecordValue:
-    """A ``SET`` value sent as two buffers: the record header (kvtier.records.encode_header,
-    which hashes the block in place) and the block's own memory, so the record is never
-    assembled in a new buffer. Only :class:`_Packer` knows how to send it."""
-
-    __slots__ = ("header", "payload")
-
-    def __init__(self, namespace: bytes, block: torch.Tensor, fingerprint: bytes) -> None:
-        self.header = encode_header(namespace, block, 0, fingerprint)
-        self.payload = memoryview(block.view(torch.uint8).numpy().reshape(-1))
-
-    def __len__(self) -> int:
-        return len(self.header) + len(self.payload)
-
-
-if redis is not None:
-
-    class _Packer(PythonRespSerializer):
-        """redis-py's Python command packer (large arguments go to ``sendall`` as they are,
-        where the hiredis packer, used whenever hiredis is installed, copies each one twice),
-        plus :class:`_RecordValue` arguments written as header, payload, ``CRLF``."""
-
-        def pack(self, *args):
-            if not any(isinstance(arg, _RecordValue) for arg in args):
-                return super().pack(*args)
-            output: list = []
-            pieces = [b"*%d\r\n" % len(args)]
-            for arg in args:
-                if isinstance(arg, _RecordValue):
-                    pieces += [b"$%d\r\n" % len(arg), arg.header]
-                    output += [b"".join(pieces), arg.payload]
-                    pieces = [b"\r\n"]
-                else:
-                    arg = self.encode(arg)
-                    pieces += [b"$%d\r\n" % len(arg), arg, b"\r\n"]
-            output.append(b"".join(pieces))
-            return output
-
-    class _PackWithRecords:
-        """Connection mixin: commands are packed by :class:`_Packer`; replies are parsed as
-        usual (by hiredis when it is installed). ``_construct_command_packer`` is redis-py's
-        hook for the packer (a release without it gets whole records: :func:`_record_value`)."""
-
-        def _construct_command_packer(self, packer):
-            if packer is None:
-                return _Packer(getattr(self, "_buffer_cutoff", 6000), self.encoder.encode)
-            return super()._construct_command_packer(packer)
-
-    class _Connection(_PackWithRecords, Connection):
-        pass
-
-    class _SSLConnection(_PackWithRecords, SSLConnection):
-        pass
-
-
-def client_options(timeout_s: float, tls: bool = False) -> dict[str, Any]:
-    """The redis-py client options RedisTier uses: ``timeout_s`` for connects and socket
-    reads/writes, 1 MiB socket reads, and connections that send large ``bytes``/
-    ``memoryview`` arguments without copying them (also what bench/server.py's raw redis-py
-    baseline uses, so that it differs from RedisTier only by the records)."""
-    return dict(
-        socket_timeout=timeout_s, socket_connect_timeout=timeout_s, socket_read_size=_READ_NBYTES,
-        connection_class=_SSLConnection if tls else _Connection,
-    )
-
-
-def _record_value(namespace: bytes, block: torch.Tensor, fingerprint: bytes):
-    """The ``SET`` value of ``block``'s record: zero-copy where redis-py has the packer hook."""
-    if hasattr(Connection, "_construct_command_packer"):
-        return _RecordValue(namespace, block, fingerprint)
-    return memoryview(encode_record(namespace, block, 0, fingerprint))
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -541,6 +547,8 @@ def _parse_url(url: str) -> tuple[str, bool, float | None]:
     ttl_s = None
     rest = []
     for name, value in query:
+        if name == "protocol":
+            raise ValueError("expected no ?protocol= in a RedisTier URL (it speaks RESP2, where replies can be bounded)")
         if name == "ttl_s":
             try:
                 ttl_s = float(value)

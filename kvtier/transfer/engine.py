@@ -21,6 +21,7 @@ import itertools
 import logging
 import threading
 import time
+import traceback
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -141,7 +142,9 @@ class TransferEngine:
         try:
             pending = handler.start(job)
         except Exception as exc:  # a handler bug must not reach the inference loop
-            logger.exception("transfer %s->%s failed to start: %s", job.src, job.dst, exc)
+            # the traceback as text: a record that kept the exception would keep the caller's
+            # frames, and the leases in them, for as long as a handler keeps the record
+            logger.error("transfer %s->%s failed to start: %s", job.src, job.dst, traceback.format_exc())
             pending = Completed(failed(job, "error", started))
         with self._lock:
             self._pending[job.job_id] = pending

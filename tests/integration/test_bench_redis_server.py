@@ -64,3 +64,29 @@ def test_server_bench_writes_rows_with_redis_baselines(tmp_path):
         assert rows[f"lookup p99 latency, {who}, {load}".replace(", x", " x")]["value"] >= \
             rows[f"lookup p50 latency, {who}, {load}".replace(", x", " x")]["value"]
     assert [p.name for p in tmp_path.iterdir()] == [out.name]  # the bench removed its temp dir
+
+
+def test_redis_limits_bench_writes_guarded_rows_with_plain_baselines(tmp_path):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not on PATH (apt-get install redis-server)")
+    out = tmp_path / "redis_limits.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "redis_limits.py"), "--total-bytes", "4MiB", "--batch-blocks", "2",
+         "--repeats", "1", "--lookup-blocks", "4", "--lookup-calls", "10", "--json", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert data["bench"] == "redis_limits"
+    assert {row["metric"]: row["unit"] for row in data["rows"]} == {
+        "get, 2048 KiB values, 2 per pipeline": "GB/s",
+        "put, 2048 KiB values, 2 per pipeline": "GB/s",
+        "get, 16 KiB values, 256 per pipeline": "GB/s",
+        "put, 16 KiB values, 256 per pipeline": "GB/s",
+        "lookup, EXISTS x 4": "lookups/s",
+    }
+    for row in data["rows"]:
+        assert row["value"] > 0 and row["baseline"] > 0
+        assert math.isclose(row["ratio"], row["value"] / row["baseline"], rel_tol=1e-9)

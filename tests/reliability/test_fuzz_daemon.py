@@ -227,8 +227,11 @@ def test_fuzzed_requests_never_get_a_5xx_and_stored_blocks_stay_intact(daemon, c
 
     status, _, body = client.request("GET", "/openapi.json")
     spec = json.loads(body)
+    # A stream (server-sent events: /v1/events) never ends on its own; its bad requests are
+    # answered before it starts (tests/unit/dashboard/test_events.py).
+    streams = {path for path, item in spec["paths"].items() if "text/event-stream" in json.dumps(item)}
     operations = sorted((method.upper(), path) for path, item in spec["paths"].items() for method in item
-                        if method in ("get", "put", "post", "delete"))
+                        if method in ("get", "put", "post", "delete") and path not in streams)
     assert {("POST", "/v1/namespaces/{ns}/put"), ("PUT", "/v1/namespaces/{ns}")} <= set(operations)
 
     # The daemon keeps its state from one input to the next, so an input need not fail again on

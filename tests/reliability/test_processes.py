@@ -193,3 +193,62 @@ def test_many_threads_loading_at_once_all_get_exact_bytes(stores, tmp_path):
     assert not errors and not wrong and store.stats.load_failures == {}
     assert sum(store.stats.loaded_blocks.values()) >= len(hashes)
     store.check_invariants()
+
+
+def test_child_forked_with_a_prefetch_and_a_store_in_flight_inherits_no_pin_or_slot(stores, tmp_path):
+    """Another thread waits for a prefetch whose DISK reads are slowed, a third holds an open
+    ``prepare_store``: the child forked then has neither thread, so every pin and pending
+    slot they held must be gone in the child, and their handles must be inert there (``wait``
+    returns nothing at once, though the parent's thread holds the handle's lock; completing the
+    store publishes nothing)."""
+    hashes = _request(4)
+    first = open_store(tmp_path, gpu=4, cpu=0, disk=16)
+    first.store(hashes, contents(hashes))
+    first.close()
+    store = stores(open_store(tmp_path, gpu=6, cpu=0, disk=16, num_io_threads=1))
+    new = _request(2, start=700)
+    inherited: dict = {}
+    loaded: list[bool] = []
+    prepared, go_on = threading.Event(), threading.Event()
+
+    def prefetching() -> None:
+        handle = inherited["prefetch"] = store.prefetch(hashes[:3])
+        result = handle.wait()
+        loaded.append(len(result.block_ids) == 3 and torch.equal(loaded_bytes(store, result), contents(hashes[:3])))
+        result.lease.release()
+
+    def storing() -> None:
+        handle = inherited["store"] = store.prepare_store(new)
+        prepared.set()
+        go_on.wait(20)
+        store.top.tensor[handle.block_ids] = contents(new)
+        store.complete_store(handle)
+
+    def child():
+        residency = store.residency
+        at_start = (residency.pending(), residency.pinned(), store.top.num_free)
+        empty = inherited["prefetch"].wait()
+        store.complete_store(inherited["store"])
+        result = store.load(hashes)
+        exact = len(result.block_ids) == 4 and torch.equal(loaded_bytes(store, result), contents(hashes))
+        result.lease.release()
+        return at_start, empty.block_ids, store.lookup(new).num_hit_blocks, exact, residency.pending(), residency.pinned()
+
+    plan = FaultPlan([Fault("read", "delay", delay_s=0.5)])
+    with inject_disk_faults(store, plan):
+        threads = [threading.Thread(target=prefetching), threading.Thread(target=storing)]
+        for t in threads:
+            t.start()
+        assert prepared.wait(5)
+        deadline = time.monotonic() + 5
+        while plan.count(kind="delay") == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)  # until a DISK read of the prefetch is under way
+        assert len(store.residency.pending(Medium.GPU)) == 5 and not inherited["prefetch"].done()
+        answer = _in_child(child, timeout_s=10)
+        go_on.set()
+        for t in threads:
+            t.join(20)
+    assert answer == ((set(), {}, 6), [], 0, True, set(), {})
+    assert loaded == [True]  # the parent's own threads finished as if nothing happened
+    assert store.lookup(new).num_hit_blocks == 2
+    store.check_invariants()

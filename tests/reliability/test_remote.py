@@ -6,6 +6,8 @@ test double's own contract (kvtier.tiers.backend), so that what it shows is mean
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -157,6 +159,23 @@ def test_remote_backend_that_raises_in_lookup_is_a_miss(tmp_path, stores):
     with inject_remote_faults(remote, FaultPlan([Fault("lookup", "raise")])):
         assert reader.lookup(hashes).num_hit_blocks == 0
         assert reader.load(hashes).block_ids == []
+
+
+def test_a_dropped_lease_is_released_after_a_remote_lookup_raised(tmp_path, stores):
+    """Found by the stateful test (kvtier-long profile): the REMOTE error's log record (kept
+    by a log handler, as pytest's is) held the exception, its traceback the lookup's frame, and
+    that frame the pinned lease: dropped by its owner, it was never collected, the pin stayed."""
+    remote = MemoryRemote()
+    store = stores(open_store(tmp_path, gpu=2, cpu=0, disk=0, remote=remote))
+    hashes = _request(2)
+    store.store(hashes[:1], contents(hashes[:1]))
+    store.wait_for_writes()  # (the REMOTE put pins its block until then)
+    with inject_remote_faults(remote, FaultPlan([Fault("lookup", "raise")])):
+        result = store.lookup(hashes, pin=True)  # block 0 local (pinned), block 1 asked of REMOTE
+    assert result.num_hit_blocks == 1 and store.ref_cnt(hashes[0]) == 1
+    del result
+    gc.collect()
+    assert store.ref_cnt(hashes[0]) == 0
 
 
 def test_lookup_counts_local_blocks_after_a_remote_part(tmp_path, stores):

@@ -1,7 +1,7 @@
 """A stateful property test (hypothesis) of TieredStore against a model of what was stored.
 
 Random sequences of store, lookup (pinned or not), prefetch + wait, load, lease release and
-drop, flush, close/reopen (with other pool sizes: case K3), crash/reopen (kvtier.testing
+drop, flush, reset, close/reopen (with other pool sizes: case K3), crash/reopen (kvtier.testing
 ``abandon``) and DISK and REMOTE fault injection, on a store with tiny capacities (GPU, CPU:
 1-3 blocks; DISK: 3-6 records; REMOTE, when there is one: a MemoryRemote of 4 or 12 blocks
 that outlives the store, like a daemon), so that eviction and spills happen at almost every
@@ -19,7 +19,10 @@ stored and the leases the test holds. Checked after every step (guarantees 1, 3,
 - without faults, a store's claimed blocks are found by a lookup right after it, and a
   load of a fully cached prefix that fits the top pool returns all of it;
 - close/reopen and crash/reopen: the reopened DISK holds exactly the records that were
-  committed when the old store went away (nothing lost, nothing half-written, no resurrection).
+  committed when the old store went away (nothing lost, nothing half-written, no resurrection);
+- reset: the model forgets what was stored, so from then on every tier (REMOTE included) may
+  hold only blocks stored after it; prefetches in flight across it return nothing, leases
+  held across it release without error and the bytes they pin stay as they were.
 """
 
 from __future__ import annotations
@@ -81,6 +84,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.remote: MemoryRemote | None = None  # shared by every store opened (a daemon: survives crashes)
         self.remote_damaged: set[bytes] = set()
         self.read_faulted: set[bytes] = set()  # blocks a read fault hit (dropped as corrupt/missing)
+        self.stale_held: list = []  # leases held across a reset
+        self.loads_held: dict[int, tuple[list[int], list[bytes]]] = {}  # id(lease) -> its top slots, hashes
+        self.stale_pending: list = []  # prefetch handles in flight across a reset
 
     # -- setup and teardown ----------------------------------------------------------------
     @initialize(
@@ -126,12 +132,14 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(p=prompt_ids, n=lengths, keep=st.booleans())
     def load(self, p, n, keep) -> None:
         hashes = PROMPTS[p][:n]
-        quiet = self.plan is None and not self.held and not self.pending
+        quiet = self.plan is None and not (self.held or self.pending or self.stale_held or self.stale_pending)
         if quiet:
             self.store.wait_for_writes()  # background write-through jobs pin their blocks
             expected = self.store.lookup(hashes).num_hit_blocks
         result = self.store.load(hashes)
         self._check_served(hashes, result)
+        if keep:
+            self.loads_held[id(result.lease)] = (list(result.block_ids), hashes[: len(result.block_ids)])
         # Nothing pinned, no fault: the whole cached prefix loads, or as much of its head as the
         # top pool holds (unless a record was damaged at rest: that load must fail).
         damaged = self.damaged | self.remote_damaged
@@ -151,6 +159,8 @@ class StoreMachine(RuleBasedStateMachine):
         handle, hashes = self.pending.pop(i % len(self.pending))
         result = handle.wait()
         self._check_served(hashes, result)
+        if keep:
+            self.loads_held[id(result.lease)] = (list(result.block_ids), hashes[: len(result.block_ids)])
         self._keep_or_release(result.lease, keep)
 
     @rule(i=st.integers(0, 7), drop=st.booleans())
@@ -158,6 +168,7 @@ class StoreMachine(RuleBasedStateMachine):
         if not self.held:  # (no precondition on it: what is held depends on hits, see the note below)
             return
         lease = self.held.pop(i % len(self.held))
+        self.loads_held.pop(id(lease), None)
         if drop:  # never released: the finalizer must give the pins back (O1)
             del lease
             gc.collect()
@@ -167,6 +178,21 @@ class StoreMachine(RuleBasedStateMachine):
     @rule()
     def flush(self) -> None:
         self.store.flush()
+
+    @rule()
+    def reset(self) -> None:
+        self.stale_pending += [handle for handle, _ in self.pending]
+        self.stale_held += self.held
+        self.pending, self.held = [], []
+        self.store.reset()
+        self.stored = set()  # from now on, no tier may hold a block stored before
+
+    @precondition(lambda self: self.stale_pending or self.stale_held)
+    @rule(drop=st.booleans())
+    def settle_stale(self, drop) -> None:
+        """Prefetches from before a reset publish nothing; leases from before it release
+        without error (or are dropped: their finalizers run)."""
+        self._settle_stale(drop)
 
     @rule(gpu=st.integers(1, 3), cpu=st.integers(0, 3))
     def close_and_reopen(self, gpu, cpu) -> None:
@@ -179,6 +205,9 @@ class StoreMachine(RuleBasedStateMachine):
         """The process dies: held leases and prefetches die with it, memory tiers are lost."""
         self.held.clear()
         self.pending.clear()
+        self.stale_held.clear()
+        self.stale_pending.clear()
+        self.loads_held.clear()
         abandon(self.store)  # waits for background jobs: the DISK index is then what committed
         self._reopen_and_compare(set(self.store.disk.lru_order()), gpu, cpu)
 
@@ -206,8 +235,26 @@ class StoreMachine(RuleBasedStateMachine):
         self.plan = None
         self.faults = contextlib.ExitStack()
 
+    def _settle_stale(self, drop: bool = False) -> None:
+        for handle in self.stale_pending:
+            result = handle.wait()
+            assert result.block_ids == [] and result.sources == [], "a prefetch from before a reset published"
+        self.stale_pending.clear()
+        for lease in self.stale_held:  # the slots they pin kept their bytes through the reset
+            block_ids, hashes = self.loads_held.pop(id(lease), ([], []))
+            if block_ids and not lease.released:
+                got = self.store.top.tensor[torch.tensor(block_ids, dtype=torch.long)]
+                assert torch.equal(got, contents(hashes)), "a slot pinned across a reset was overwritten"
+        if drop:
+            self.stale_held.clear()
+            gc.collect()
+        for lease in self.stale_held:
+            lease.release()
+        self.stale_held.clear()
+
     def _settle(self) -> None:
         """Wait the test's prefetches and release its leases."""
+        self._settle_stale()
         for handle, hashes in self.pending:
             result = handle.wait()
             self._check_served(hashes, result)
@@ -216,6 +263,7 @@ class StoreMachine(RuleBasedStateMachine):
         for lease in self.held:
             lease.release()
         self.held.clear()
+        self.loads_held.clear()
 
     def _reopen_and_compare(self, committed: set, gpu: int, cpu: int) -> None:
         self._stop_faults()
@@ -242,7 +290,7 @@ class StoreMachine(RuleBasedStateMachine):
         store = self.store
         if store is None:
             return
-        if self.pending:  # prefetch slots are pending by design until waited
+        if self.pending or self.stale_pending:  # prefetch slots are pending by design until waited
             store.wait_for_writes()
             with store.residency.lock:
                 for pool in store.pools:

@@ -278,3 +278,23 @@ def test_pages_acknowledged_at_a_full_disk_stay_readable(make_backend) -> None:
         backend.store.wait_for_writes()
         assert backend.batch_exists(keys) == 6, f"round {round_index}"
     assert not backend.store.stats.store_failures
+
+
+def test_clear_empties_memory_and_disk_and_the_backend_keeps_serving(make_backend, tmp_path) -> None:
+    host = new_host_pool()
+    keys, src = page_keys(4), host.alloc(4 * PAGE_SIZE)
+    fill_random(host, src, seed=9)
+    backend = make_backend(host, data_dir=tmp_path / "d")
+    store = backend.store
+    assert backend.batch_set_v1(keys, src) == [True] * 4
+    store.flush()
+    assert backend.clear() is True
+    assert backend.store is store  # the same store, open: threads using it meanwhile are fine
+    assert {tier: u["blocks"] for tier, u in store.usage().items()} == {"CPU": 0, "DISK": 0}
+    assert backend.batch_exists(keys) == 0
+    assert backend.batch_set_v1(keys, src) == [True] * 4
+    dst = host.alloc(4 * PAGE_SIZE)
+    assert backend.batch_get_v1(keys, dst) == [True] * 4
+    assert all(torch.equal(a, b) for a, b in zip(pages(host, src), pages(host, dst)))
+    backend.close()
+    assert make_backend(host, data_dir=tmp_path / "d").batch_exists(keys) == 4  # stored after the clear

@@ -12,13 +12,15 @@ A job (JSON)::
 
     {"model": dir, "block_size": 32, "kv_cache_bytes": int, "prefix_caching": bool,
      "multiprocess": bool, "connector": null | {kv_connector_extra_config},
-     "conversations": [[[user token ids], ...], ...], "max_tokens": int}
+     "conversations": [[[user token ids], ...], ...], "max_tokens": int, "reset_at_end": bool}
 
 Turn ``t`` of a conversation prompts with turn ``t-1``'s prompt + its output + the user
 tokens of turn ``t``; each turn is one request (greedy, ``ignore_eos``). The result: per turn
 the prompt length, output token ids, ``num_cached_tokens``, the connector's
 ``kv_transfer_params`` and the smallest top-2 logprob margin; plus, with the connector, the
-workers' stats (``collective_rpc``) after a flush.
+workers' stats (``collective_rpc``) after a flush. ``reset_at_end``: then
+``llm.reset_prefix_cache(reset_connector=True)`` (its answer in ``"reset"``), the workers'
+stats again (``"stats_after_reset"``) and the first prompt once more (``"after_reset"``).
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ def run(job: dict) -> dict:
 
             llm.collective_rpc(worker_flush)
             result["stats"] = llm.collective_rpc(worker_stats)
+            if job.get("reset_at_end"):
+                _reset_and_rerun(llm, job, result)
     finally:
         # stop the engine (and, multiprocess, its processes: they hold the DISK directory)
         llm.llm_engine.engine_core.shutdown()
@@ -93,6 +97,22 @@ def _run_turns(llm, job: dict, result: dict) -> None:
                 "seconds": time.perf_counter() - t1,
             })
             history = prompt + list(completion.token_ids)
+
+
+def _reset_and_rerun(llm, job: dict, result: dict) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvtier.connectors.vllm import worker_stats
+
+    result["reset"] = llm.reset_prefix_cache(reset_connector=True)
+    result["stats_after_reset"] = llm.collective_rpc(worker_stats)
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False)
+    out = llm.generate(TokensPrompt(prompt_token_ids=list(job["conversations"][0][0])), params, use_tqdm=False)[0]
+    result["after_reset"] = {
+        "output": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens,
+        "kv_transfer_params": out.kv_transfer_params,
+    }
 
 
 def _margin(logprobs: dict) -> float:

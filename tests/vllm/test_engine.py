@@ -10,7 +10,9 @@ prefix caching off (so every reuse comes from kvtier):
 3. ``restart``: connector, vLLM's default multiprocess executor (scheduler and worker in two
    processes), the DISK directory of run 2: the first turn already loads from DISK.
 4. ``corrupt``: one DISK record of run 2 damaged on disk, then a new engine: the read fails
-   its checksum, the hit stops before that block, vLLM computes the rest.
+   its checksum, the hit stops before that block, vLLM computes the rest. At its end,
+   ``llm.reset_prefix_cache(reset_connector=True)`` empties kvtier's store (through the
+   scheduler's lookup socket) and the first prompt, asked again, loads nothing.
 
 Takes ~3-4 minutes on 2 busy cores, most of it importing vLLM (once) and starting engines.
 """
@@ -53,11 +55,11 @@ def conversation(seed: int = 1) -> list[list[int]]:
     return [[rng.randrange(3, VOCAB_SIZE) for _ in range(n)] for n in USER_TOKENS]
 
 
-def job(model: Path, connector: dict | None, multiprocess: bool = False) -> dict:
+def job(model: Path, connector: dict | None, multiprocess: bool = False, reset_at_end: bool = False) -> dict:
     return {
         "model": str(model), "block_size": BLOCK_SIZE, "kv_cache_bytes": 64 << 20, "prefix_caching": False,
         "multiprocess": multiprocess, "connector": connector, "conversations": [conversation()],
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": MAX_TOKENS, "reset_at_end": reset_at_end,
     }
 
 
@@ -86,7 +88,7 @@ def runs(tmp_path_factory) -> Runs:
         with_ = host.run(job(model, connector), work, "with")
         restart = host.run(job(model, connector, multiprocess=True), work, "restart")
         corrupt_record(work / "kvtier" / "disk", CORRUPT_SEQ_RANK)
-        corrupt = host.run(job(model, connector), work, "corrupt")
+        corrupt = host.run(job(model, connector, reset_at_end=True), work, "corrupt")
     finally:
         host.close()
     return Runs(without, with_, restart, corrupt, work)
@@ -143,3 +145,23 @@ def test_corrupt_disk_block_is_recomputed_with_identical_outputs(runs: Runs) -> 
     later = [t["num_cached_tokens"] for t in runs.corrupt["turns"][1:]]
     assert later == [t["num_cached_tokens"] for t in runs.restart["turns"][1:]]
     assert stats["connector"]["load_error_blocks"] == 0  # caught before vLLM counted it
+
+
+def test_reset_prefix_cache_empties_the_store_and_the_next_prompt_loads_nothing(runs: Runs) -> None:
+    assert runs.corrupt["reset"] is True
+    (stats,) = runs.corrupt["stats_after_reset"]
+    assert {tier: u["blocks"] for tier, u in stats["usage"].items()} == {"CPU": 0, "DISK": 0}
+    after = runs.corrupt["after_reset"]
+    assert after["num_cached_tokens"] == 0
+    assert after["kv_transfer_params"]["kvtier"]["loaded_tokens"] == {}
+    assert after["output"] == outputs(runs.without)[0]
+
+
+def test_the_connector_counts_prompt_tokens_and_the_ttft_its_loads_saved(runs: Runs) -> None:
+    """Every prompt token the engine computed is counted once (the worker, per step, from the
+    scheduler's metadata), and the TTFT the loads saved (or lost) is measured, never "n/a"."""
+    (stats,) = runs.with_["stats"]
+    turns = runs.with_["turns"]
+    assert stats["store"]["computed_tokens"] == sum(t["prompt_tokens"] - t["num_cached_tokens"] for t in turns)
+    assert stats["store"]["ttft_saved_s"] is not None
+    assert stats["store"]["ttft_saved_s"] + stats["store"]["ttft_lost_s"] > 0  # turns 2 and 3 loaded from CPU

@@ -112,3 +112,14 @@ def test_stale_sockets_are_swept_and_a_live_one_refused(paths, servers) -> None:
     with pytest.raises(RuntimeError, match="another kvtier lookup server"):
         LookupServer(paths[0], fixed((0, [])))
     assert LookupClient(paths[:1], timeout_s=5).match("r", [[]], 0) == (0, [])
+
+
+def test_reset_reaches_every_rank(paths, servers) -> None:
+    first, second = fixed((0, [])), fixed((0, []))
+    servers += [LookupServer(paths[0], first), LookupServer(paths[1], second)]
+    client = LookupClient(paths, timeout_s=5)
+    assert client.reset() is True
+    assert first.calls == [("reset", "", [], 0.0)] and second.calls == [("reset", "", [], 0.0)]
+    client.close()
+    servers.pop().close()
+    assert LookupClient(paths, timeout_s=5).reset() is False  # a rank gone: not known to be reset

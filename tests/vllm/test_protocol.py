@@ -32,7 +32,8 @@ POISON = -7.0
 def make_request(req_id: str, tokens: list[int], cache_salt: str | None = None, lora: str | None = None):
     lora_request = SimpleNamespace(lora_name=lora, lora_path=f"/adapters/{lora}", lora_int_id=1) if lora else None
     return SimpleNamespace(
-        request_id=req_id, all_token_ids=list(tokens), num_tokens=len(tokens), cache_salt=cache_salt,
+        request_id=req_id, all_token_ids=list(tokens), num_tokens=len(tokens), num_prompt_tokens=len(tokens),
+        cache_salt=cache_salt,
         lora_request=lora_request, mm_features=[], prompt_embeds=None,
     )
 
@@ -128,6 +129,7 @@ def stored_engine(make_engine, tokens: list[int], table: list[int], data_dir=Non
     meta, errors = engine.step([(request, 0, len(tokens))])
     assert not errors
     assert [len(s.block_ids) for s in meta.saves] == [len(tokens) // BLOCK]
+    assert meta.prefill_tokens == len(tokens)  # the prompt tokens this step computes (for TTFT saved)
     engine.store.wait_for_writes()  # the write-through DISK job pins its blocks until done
     return engine
 
@@ -171,6 +173,7 @@ def test_only_blocks_after_vllm_own_hit(make_engine) -> None:
     assert engine.admit(request, table, num_local_tokens=2 * BLOCK) == 4 * BLOCK
     meta, errors = engine.step([(request, 6 * BLOCK, 1)])
     assert not errors and [s.block_ids for s in meta.loads] == [[10, 11, 12, 13]]
+    assert meta.prefill_tokens == 1  # 2 blocks vLLM's, 4 loaded: one prompt token computed
     for name in LAYER_NAMES:
         assert torch.equal(engine.caches[name][[10, 11, 12, 13]], engine.caches[name][[2, 3, 4, 5]])
 
@@ -355,3 +358,19 @@ def test_the_same_tokens_with_another_image_miss_from_the_image_on(make_engine) 
     assert engine.admit(unkeyed, [15, 16, 17, 18, 19]) == 0
     meta, _ = engine.step([(unkeyed, 0, len(tokens))])
     assert meta.saves == []  # never stored either
+
+
+def test_reset_drops_matches_and_a_load_planned_before_it_is_reported(make_engine) -> None:
+    tokens = prompt(4 * BLOCK + 3)
+    engine = stored_engine(make_engine, tokens, [0, 1, 2, 3, 4])
+    request = make_request("r-before", tokens)
+    table = [10, 11, 12, 13, 14]
+    assert engine.admit(request, table) == 4 * BLOCK  # matched (pinned in the worker) before the reset
+    assert engine.scheduler.client.reset() is True
+    assert {tier: u["blocks"] for tier, u in engine.store.usage().items()} == {"CPU": 0, "DISK": 0}
+    _, errors = engine.step([(request, 4 * BLOCK, 3)])
+    assert errors == set(table[:4])  # never decoded: vLLM recomputes them
+    assert engine.store.usage()["CPU"]["blocks"] == 0  # computed on failed loads: not saved
+    again = make_request("r-after", tokens)
+    assert engine.admit(again, [15, 16, 17, 18, 19]) == 0
+    engine.store.check_invariants()

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import shutil
 import threading
 from collections import Counter
 from pathlib import Path
@@ -230,15 +229,15 @@ class KVTierStorage(HiCacheStorage):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def clear(self) -> bool:
-        """Drop every page this backend stored locally (its DISK directory); pages on the
-        shared REMOTE tier stay (other engines own them too). Returns success."""
+        """Drop every page this backend stored locally (memory pools and DISK:
+        ``TieredStore.reset``, so reads and writes in flight on other threads publish
+        nothing and the store stays open); pages on the shared REMOTE tier stay (other
+        engines own them too). Returns success."""
         with self._store_lock:
             if self._store is None:
                 return False
             try:
-                self._store.close()
-                shutil.rmtree(self.data_dir, ignore_errors=True)
-                self._store = TieredStore(self.layout.spec, self._store.config, self.namespace, device="cpu")
+                self._store.reset(remote=False)
                 return True
             except Exception as exc:
                 self.errors["clear"] += 1

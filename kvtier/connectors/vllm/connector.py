@@ -198,6 +198,16 @@ class KVTierConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.flush()
 
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)`` (scheduler side): empty every
+        worker's store over the lookup sockets (every tier, the REMOTE namespace included).
+        ``False`` when a worker did not answer in time. Matches vLLM already counted load
+        nothing afterwards: they are reported as load errors and recomputed."""
+        if self._scheduler is not None:
+            return self._scheduler.client.reset()
+        self._worker.reset()
+        return True
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
@@ -210,6 +220,14 @@ def worker_stats(worker: Any = None) -> dict[str, Any]:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     return get_kv_transfer_group().stats()
+
+
+def worker_reset(worker: Any = None) -> None:
+    """``llm.collective_rpc(worker_reset)``: empty this worker's store (every tier); the
+    same as ``llm.reset_prefix_cache(reset_connector=True)`` does through the scheduler."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    get_kv_transfer_group().reset_cache()
 
 
 def worker_flush(worker: Any = None) -> None:

@@ -13,6 +13,7 @@ Messages are msgpack arrays, one request and one reply at a time per connection:
     request: ["match", request_id, [block_hash, ...], wait_s, [fingerprint, ...]]
     reply:   [num_blocks | None, [medium, ...]]     None: a load is still in flight
     request: ["drop", request_id]  ->  reply: [0, []]
+    request: ["reset", ""]         ->  reply: [0, []]   every tier of the worker's store emptied
 
 A client that gets no reply within its timeout (or cannot connect) treats the lookup as a
 miss and reconnects next time, so a stuck or dead worker never stalls the scheduler; the
@@ -183,6 +184,11 @@ class LookupClient:
     def drop(self, request_id: str) -> None:
         """Release the blocks the ranks hold for ``request_id`` (best effort)."""
         self._ask_all([["drop", request_id, [], 0.0]] * len(self.paths))
+
+    def reset(self) -> bool:
+        """Empty every rank's store (``TieredStore.reset``); ``True`` when every rank
+        answered within the timeout (one that did not may still finish its reset)."""
+        return self._ask_all([["reset", "", [], 0.0]] * len(self.paths)) is not None
 
     def _ask_all(self, messages: list[list]) -> list[MatchReply] | None:
         with self._lock:

@@ -45,3 +45,5 @@ class KVTierMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     drops: list[str] = field(default_factory=list)
+    prefill_tokens: int = 0
+    """Prompt tokens this step computes (the TTFT-saved estimate: kvtier.connectors.ttft)."""

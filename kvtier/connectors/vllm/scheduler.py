@@ -144,10 +144,19 @@ class SchedulerSide:
         num_scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             self._plan_save(meta, new.req_id, new.num_computed_tokens + num_scheduled.get(new.req_id, 0))
+            meta.prefill_tokens += self._prefill_tokens(new.req_id, new.num_computed_tokens, num_scheduled)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             self._plan_save(meta, req_id, cached.num_computed_tokens[i] + num_scheduled.get(req_id, 0))
+            meta.prefill_tokens += self._prefill_tokens(req_id, cached.num_computed_tokens[i], num_scheduled)
         return meta
+
+    def _prefill_tokens(self, req_id: str, num_computed: int, num_scheduled: dict) -> int:
+        """Prompt tokens of ``req_id`` this step computes (0 for decodes)."""
+        state = self._requests.get(req_id)
+        if state is None:
+            return 0
+        return max(0, min(num_scheduled.get(req_id, 0), state.request.num_prompt_tokens - num_computed))
 
     def _plan_save(self, meta: KVTierMetadata, req_id: str, num_computed_after: int) -> None:
         """Save the blocks that become full this step (their tokens all known: speculative

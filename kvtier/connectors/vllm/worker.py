@@ -2,6 +2,10 @@
 
 Protocol per request (see :mod:`kvtier.connectors.vllm.scheduler` for the scheduler's half):
 
+- ``reset`` (lookup server thread, from the scheduler's ``reset_cache``): the store is
+  emptied (``TieredStore.reset``) and every match is dropped, so no block matched before the
+  reset is loaded after it (a load planned on one is reported as a load error: vLLM
+  recomputes it); a save prepared before it publishes nothing.
 - ``match`` (lookup server thread): ``store.prefetch`` pins the cached chain and starts
   reading DISK/REMOTE blocks into the CPU pool; the answer is the number of blocks that
   arrived and were verified (checksum, and the request's token fingerprints), once the
@@ -40,6 +44,7 @@ from kvtier.connectors.vllm.layout import kv_spec_for_caches, paged_view
 from kvtier.connectors.vllm.lookup import LookupServer, MatchReply
 from kvtier.connectors.vllm.metadata import KVTierMetadata
 from kvtier.connectors.vllm.options import ConnectorOptions
+from kvtier.connectors.ttft import PrefillRate
 from kvtier.kernels import gather_blocks_to_paged, scatter_paged_to_blocks
 from kvtier.store import Lease, PrefetchHandle, StoreHandle, TieredStore
 
@@ -114,6 +119,8 @@ class WorkerSide:
         self._load: _StepLoad | None = None
         self._save: _StepSave | None = None
         self._load_errors: set[int] = set()
+        self.prefill_rate = PrefillRate()
+        self._step: list[float] | None = None  # [start, prompt tokens, loaded tokens, load s] of this step
 
     # -- set-up ------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layer_order: list[str], tp_rank: int) -> None:
@@ -140,6 +147,7 @@ class WorkerSide:
             self._layer_index[name] = index
         spec = kv_spec_for_caches(caches, self.block_size)
         self.store = TieredStore(spec, self.options.store, self.engine_key.namespace(tp_rank), device="cpu")
+        self.store.name = self.engine_key.model_id
         self.server = LookupServer(self.socket_path, self.handle)
         logger.info(
             "kvtier: %d layers, block %d tokens (%.1f MiB), CPU pool %d blocks, DISK %s; lookups on %s",
@@ -156,8 +164,11 @@ class WorkerSide:
         if op == "drop":
             self._drop(req_id)
             return 0, []
+        if op == "reset":
+            self.reset()
+            return 0, []
         if op != "match":
-            raise ValueError(f"expected op 'match' or 'drop', got {op!r}")
+            raise ValueError(f"expected op 'match', 'drop' or 'reset', got {op!r}")
         assert self.store is not None, "lookup before register_kv_caches"
         keys = (block_hashes, fingerprints)
         with self._lock:
@@ -185,6 +196,17 @@ class WorkerSide:
             return 0, []
         return len(result.block_ids), [str(m) for m in result.sources]
 
+    def reset(self) -> None:
+        """Empty the store's tiers (REMOTE namespace included) and drop every match."""
+        if self.store is None:
+            return
+        result = self.store.reset()
+        with self._lock:
+            tickets, self._tickets = list(self._tickets.values()), {}
+        for ticket in tickets:
+            ticket.release()  # from before the reset: empty, or pins on blocks no tier holds now
+        logger.info("kvtier: reset: dropped %s (REMOTE emptied: %s)", result.dropped_blocks, result.remote_cleared)
+
     def _drop(self, req_id: str) -> None:
         with self._lock:
             ticket = self._tickets.pop(req_id, None)
@@ -194,10 +216,13 @@ class WorkerSide:
     # -- loads -------------------------------------------------------------------------------
     def start_load_kv(self, meta: KVTierMetadata) -> None:
         """Release dropped matches; plan this step's copies into vLLM's cache."""
+        started = time.perf_counter()
+        self._step = [started, meta.prefill_tokens, 0, 0.0]
         for req_id in meta.drops:
             self._drop(req_id)
         if not meta.loads:
             return
+        self._step[2] = sum(len(spec.block_ids) for spec in meta.loads) * self.block_size
         pool_ids: list[int] = []
         paged_ids: list[int] = []
         leases: list[Lease] = []
@@ -224,6 +249,8 @@ class WorkerSide:
             torch.tensor(pool_ids, dtype=torch.int64), torch.tensor(paged_ids, dtype=torch.int64),
             leases, [False] * len(self._views), failed=failed,
         )
+        self._step[2] = len(pool_ids) * self.block_size
+        self._step[3] += time.perf_counter() - started
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Copy layer ``layer_name`` of this step's loads into vLLM's cache."""
@@ -234,12 +261,15 @@ class WorkerSide:
         load.layers_done[index] = True
         if not load.paged_ids.numel():
             return
+        started = time.perf_counter()
         try:
             pool, view = self.store.top.tensor[:, index : index + 1], self._views[index]
             gather_blocks_to_paged(pool, load.pool_ids, [view[0]], [view[1]], load.paged_ids, check_ids=False)
         except Exception:
             logger.exception("kvtier: copying layer %s into vLLM's cache failed; vLLM recomputes", layer_name)
             self._fail_load(load)
+        if self._step is not None:
+            self._step[3] += time.perf_counter() - started
 
     def _fail_blocks(self, paged_ids: list[int]) -> None:
         self._load_errors.update(int(i) for i in paged_ids)
@@ -318,7 +348,10 @@ class WorkerSide:
     def wait_for_save(self) -> None:
         """End of step: finish loads, publish (or discard) this step's saves."""
         load_failed = self._load is not None and self._load.failed
+        if load_failed and self._step is not None:
+            self._step[2] = 0  # recomputed: nothing saved
         self._finish_load()
+        self._count_step()
         save, self._save = self._save, None
         if save is None or save.handle is None:
             return  # nothing new, or no layer ran (no forward this step: nothing computed)
@@ -329,6 +362,17 @@ class WorkerSide:
         else:
             self.counters.saved_blocks += len(save.handle.block_hashes)
         self.store.complete_store(save.handle, success=ok)
+
+    def _count_step(self) -> None:
+        """This step's prompt tokens and the TTFT its kvtier loads saved (kvtier.connectors.ttft):
+        the step's forward time, less the load copies, fits the prefill rate."""
+        step, self._step = self._step, None
+        if step is None or not step[1] or self.store is None:
+            return
+        started, prompt_tokens, loaded_tokens, load_s = step
+        self.prefill_rate.observe(int(prompt_tokens), time.perf_counter() - started - load_s)
+        saved, lost = self.prefill_rate.saving(int(loaded_tokens), load_s)
+        self.store.record_computed_tokens(int(prompt_tokens), ttft_saved_s=saved, ttft_lost_s=lost)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> None:

@@ -7,6 +7,10 @@ const POLL_MS = 1000;
 const STATS_URL = "v1/stats";
 const TIER_COLORS = { all: "#111827", GPU: "#16a34a", CPU: "#2563eb", DISK: "#ea580c", REMOTE: "#9333ea" };
 const EXTRA_COLORS = ["#0891b2", "#db2777", "#65a30d", "#7c3aed", "#b45309", "#0f766e", "#be123c", "#4338ca"];
+// Series that overlap (all hits from one tier: "all" and "GPU" coincide) stay distinguishable:
+// each has its own dash pattern and marker size, "all" is the thick solid line with hollow markers.
+const TIER_DASHES = { all: [], GPU: [10, 4], CPU: [3, 3], DISK: [14, 4, 3, 4], REMOTE: [6, 6] };
+const EXTRA_DASHES = [[], [10, 4], [3, 3], [14, 4, 3, 4], [6, 6], [2, 6], [18, 6]];
 
 // A daemon started with a token: open /dashboard#token=SECRET (the fragment never leaves the
 // browser); the page sends it as a bearer token.
@@ -27,6 +31,10 @@ function colorOf(name, index) {
   return TIER_COLORS[name] || EXTRA_COLORS[index % EXTRA_COLORS.length];
 }
 
+function dashOf(name, index) {
+  return TIER_DASHES[name] || EXTRA_DASHES[index % EXTRA_DASHES.length];
+}
+
 function setValue(id, raw, text) {
   const el = document.getElementById(id);
   el.dataset.value = raw == null ? "" : String(raw);
@@ -41,8 +49,12 @@ function chartWidth(el) {
 }
 
 // One uPlot per element; rebuilt when its set of series changes (a tier or path appears).
+// Every sample is a marker and lines span idle intervals (a null hit rate: nothing looked up),
+// so the first samples already show; with none the chart says "no data yet".
 function drawChart(id, names, xs, ys, yFormat, yRange) {
   const el = document.getElementById(id);
+  const hasData = xs.length > 0 && ys.some((y) => y.some((v) => v != null));
+  el.parentElement.classList.toggle("no-data", !hasData);
   const key = names.join("|");
   const data = [xs, ...ys];
   const chart = charts[id];
@@ -51,6 +63,7 @@ function drawChart(id, names, xs, ys, yFormat, yRange) {
     return;
   }
   if (chart) chart.plot.destroy();
+  const colors = names.map((name, i) => colorOf(name, i));
   const opts = {
     width: chartWidth(el),
     height: 220,
@@ -58,12 +71,33 @@ function drawChart(id, names, xs, ys, yFormat, yRange) {
     axes: [{}, { values: (u, vals) => vals.map(yFormat), size: 96 }],
     legend: { live: false },
     series: [{}, ...names.map((name, i) => ({
-      label: name, stroke: colorOf(name, i), width: 2, spanGaps: false,
+      label: name, stroke: colors[i], width: name === "all" ? 3 : 2, dash: dashOf(name, i), spanGaps: true,
+      points: { show: true, size: name === "all" ? 8 : 5, width: 2, fill: name === "all" ? "#ffffff" : colors[i] },
       value: (u, v) => (v == null ? "–" : yFormat(v)),
     }))],
   };
-  charts[id] = { key, plot: new uPlot(opts, data, el) };
+  charts[id] = { key, colors, plot: new uPlot(opts, data, el) };
 }
+
+// For tests: per chart, the points each series has and how many canvas pixels carry its color.
+function coloredPixels(plot, hex) {
+  const [r, g, b] = [1, 3, 5].map((i) => parseInt(hex.slice(i, i + 2), 16));
+  const { width, height } = plot.ctx.canvas;
+  const px = plot.ctx.getImageData(0, 0, width, height).data;
+  let n = 0;
+  for (let i = 0; i < px.length; i += 4) {
+    if (px[i + 3] > 200 && Math.abs(px[i] - r) + Math.abs(px[i + 1] - g) + Math.abs(px[i + 2] - b) < 40) n++;
+  }
+  return n;
+}
+window.kvtierChartStats = () => Object.entries(charts).map(([id, c]) => ({
+  id,
+  empty: document.getElementById(id).parentElement.classList.contains("no-data"),
+  series: c.plot.series.slice(1).map((s, i) => ({
+    label: s.label, color: c.colors[i], points: c.plot.data[i + 1].filter((v) => v != null).length,
+    pixels: coloredPixels(c.plot, c.colors[i]),
+  })),
+}));
 
 function drawCharts(series) {
   const xs = series.t;
@@ -72,6 +106,8 @@ function drawCharts(series) {
     (v) => (v * 100).toFixed(0) + "%", [0, 1]);
   drawChart("chart-tokens", ["from cache", "computed"], xs,
     [series.cached_tokens_per_s, series.computed_tokens_per_s], (v) => fmtInt(v) + "/s");
+  const reasons = Object.keys(series.miss_tokens_per_s || {});
+  drawChart("chart-misses", reasons, xs, reasons.map((r) => series.miss_tokens_per_s[r]), (v) => fmtInt(v) + "/s");
   const paths = Object.keys(series.bytes_per_s);
   drawChart("chart-bytes", paths, xs, paths.map((p) => series.bytes_per_s[p]), (v) => fmtBytes(v) + "/s");
   const evictTiers = Object.keys(series.evicted_blocks_per_s);
@@ -91,8 +127,14 @@ function renderFigures(s) {
   document.getElementById("kpi-computed-note").textContent = s.engine_computed_tokens == null
     ? "looked up but not cached" : "looked up but not cached; engine prefilled " + fmtInt(s.engine_computed_tokens);
   setValue("kpi-ttft-saved", s.ttft_saved_s, s.ttft_saved_s == null ? "n/a" : s.ttft_saved_s.toFixed(1) + " s");
+  const lost = s.ttft_lost_s || 0;
   document.getElementById("kpi-ttft-note").textContent = s.ttft_saved_s == null
-    ? "not reported: needs the engine connector's counter" : "prefill time avoided, since start";
+    ? "not reported: needs the engine connector's counter"
+    : "prefill time avoided, since start" + (lost >= 0.05 ? "; loads cost " + lost.toFixed(1) + " s more" : "");
+  const missed = (s.miss_tokens || []).reduce((a, m) => a + m.tokens, 0);
+  setValue("kpi-miss-tokens", missed, fmtInt(missed));
+  document.getElementById("kpi-miss-split").textContent = (s.miss_tokens || []).slice(0, 3)
+    .map((m) => m.reason.replace(/_/g, " ") + (m.tier ? " " + m.tier : "") + " " + fmtInt(m.tokens)).join(" · ") || "none";
   const evicted = sum(s.evicted_blocks);
   setValue("kpi-evicted-blocks", evicted, fmtInt(evicted));
   const failures = s.load_failures.reduce((a, f) => a + f.blocks, 0);
@@ -150,6 +192,20 @@ function renderTiers(s) {
   }
 }
 
+function renderMisses(s) {
+  const body = document.querySelector("#miss-table tbody");
+  body.replaceChildren();
+  const rows = s.miss_tokens || [];
+  const total = rows.reduce((a, m) => a + m.tokens, 0);
+  for (const m of rows) {
+    const tr = document.createElement("tr");
+    const key = `miss-${m.reason}-${m.tier || "none"}`;
+    tr.append(cell(null, m.reason, m.reason.replace(/_/g, " ")), cell(null, m.tier, m.tier || "–"),
+      cell(key, m.tokens, fmtInt(m.tokens)), cell(null, total ? m.tokens / total : null, fmtPct(total ? m.tokens / total : null)));
+    body.appendChild(tr);
+  }
+}
+
 function renderPaths(s, series) {
   const body = document.querySelector("#path-table tbody");
   body.replaceChildren();
@@ -171,7 +227,10 @@ function updateNamespaces(doc) {
   if (have.join("|") === names.join("|")) return;
   const chosen = select.value;
   select.replaceChildren(new Option("all namespaces", ""));
-  for (const name of names) select.appendChild(new Option(name.length > 20 ? name.slice(0, 16) + "…" : name, name));
+  for (const name of names) {
+    const label = doc.namespaces[name].name || (name.length > 20 ? name.slice(0, 16) + "…" : name);
+    select.appendChild(new Option(label, name));
+  }
   select.value = names.includes(chosen) ? chosen : "";
 }
 
@@ -181,6 +240,7 @@ function render(doc) {
   const s = ns ? doc.namespaces[ns] : doc.total;
   renderFigures(s);
   renderTiers(s);
+  renderMisses(s);
   renderPaths(s, doc.series);
   drawCharts(doc.series);
   const when = new Date(doc.time * 1000);

@@ -80,6 +80,9 @@ def test_cpu_kernels_do_not_import_triton() -> None:
         (["demo", "--help"], "--conversations"),
         (["serve", "--help"], "--port"),
         (["stats", "--help"], "Usage:"),
+        (["clear", "--help"], "--data-dir"),
+        (["explain", "--help"], "--namespace"),
+        (["replay", "--help"], "--sharegpt"),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,
 )

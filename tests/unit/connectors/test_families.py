@@ -108,7 +108,13 @@ def test_gpu_pool_hits_multi_turn(name, tmp_path):
         # inside the generated tokens, windows of earlier positions long gone
         turn2 = torch.cat([ids, torch.tensor([first]), prompt(6, seed=2)], dim=1)
         stored = (PROMPT + NEW - 1) // BLOCK * BLOCK
+        explained = conn.explain(turn2)  # before the load: what it will hit, and why the rest misses
+        assert explained.hit_tokens == stored and {b.tier for b in explained.blocks[: stored // BLOCK]} == {"GPU"}
+        assert {r for r, _ in explained.miss_tokens} <= {"never_stored", "partial_tail"}
         check_same(name, turn2, 2, conn, Medium.GPU, stored)
+        # run()'s after_request counted the prefill: TTFT saved is measured on every family
+        assert conn.last_prefill["cached_tokens"] == stored and conn.last_prefill["prefill_s"] > 0
+        assert conn.store.stats.ttft_saved_s is not None
     finally:
         conn.close()
 

@@ -96,7 +96,30 @@ def test_before_prefill_counts_the_tokens_left_to_prefill(model, connector):
     _, plan = generate(model, ids, connector, max_new_tokens=1)
     assert plan.num_cached_tokens == 32
     assert connector.store.stats.computed_tokens == 40 + 8
-    assert connector.store.stats.ttft_saved_s is None  # no connector estimates it yet
+
+
+def test_ttft_saved_is_the_cached_tokens_at_the_fitted_prefill_rate_minus_the_load(model, connector):
+    """Each prefill is timed (the model's first forward after before_prefill): cold 40 tokens,
+    then 8 after 32 cached. Saved = 32 x the fitted seconds per token - the load time, all
+    counted into store.stats (never "n/a" once the connector drove a prefill)."""
+    stats = connector.store.stats
+    assert stats.ttft_saved_s is None
+    ids = prompt(40, seed=7)
+    generate(model, ids, connector, max_new_tokens=1)
+    cold = connector.last_prefill
+    assert cold["computed_tokens"] == 40 and cold["cached_tokens"] == 0 and cold["prefill_s"] > 0
+    assert stats.ttft_saved_s == 0.0  # nothing cached: nothing saved, but measured
+    assert stats.ttft_lost_s == pytest.approx(cold["load_s"])  # the lookup's time, lost
+    generate(model, ids, connector, max_new_tokens=1)
+    warm = connector.last_prefill
+    assert warm["computed_tokens"] == 8 and warm["cached_tokens"] == 32 and warm["load_s"] > 0
+    rate = (cold["prefill_s"] - warm["prefill_s"]) / 32  # two points, 32 tokens apart: the fit's slope
+    if rate <= 0:  # a noisy host: the fit falls back to the median seconds per token
+        rate = (cold["prefill_s"] / 40 + warm["prefill_s"] / 8) / 2
+    assert connector.prefill_rate.seconds_per_token() == pytest.approx(rate)
+    assert warm["saved_s"] - warm["lost_s"] == pytest.approx(32 * rate - warm["load_s"])
+    assert stats.ttft_saved_s == pytest.approx(warm["saved_s"])
+    assert stats.ttft_lost_s == pytest.approx(cold["lost_s"] + warm["lost_s"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the model is on CPU only without CUDA here")
@@ -208,3 +231,22 @@ def test_prefetch_ticket_is_used_by_before_prefill(model, tmp_path):
     assert plan2.num_cached_tokens == 80
     assert all(second.store.ref_cnt(h) == 0 for h in second.block_hashes(ids[0]))
     second.close()
+
+
+def test_reset_empties_the_store_and_a_ticket_from_before_loads_nothing(model, connector):
+    ids = prompt(60, seed=12)
+    cold, _ = generate(model, ids)
+    generate(model, ids, connector)
+    ticket = connector.prefetch(ids)  # taken before the reset: must load nothing after it
+    assert ticket.handle.num_blocks == 3
+    result = connector.reset()
+    assert result.dropped_blocks["CPU"] >= 3 and result.remote_cleared is None  # (a model on CPU: no GPU pool)
+    assert all(u["blocks"] == 0 for u in connector.store.usage().values())
+    plan = connector.before_prefill(ids, ticket)
+    assert plan.num_cached_tokens == 0
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, **plan.generate_kwargs())
+    assert out[0, ids.shape[1]:].tolist() == cold
+    connector.after_request(out[0], plan.cache)
+    warm, plan = generate(model, ids, connector)  # stored again after the reset: hits again
+    assert plan.num_cached_tokens == 48 and warm == cold

@@ -98,6 +98,9 @@ def test_a_block_of_other_tokens_in_the_gpu_pool_is_a_miss_counted_token_mismatc
         assert result.fingerprints == FPS[:2]
     assert mismatches(store) == {("GPU", "token_mismatch"): 1}
     assert store.stats.load_failures["token_mismatch"] == 1
+    # miss reasons (kvtier.store.misses): the forged block by its own reason, the one after it
+    # held but after the gap; prompt tokens = loaded + missed
+    assert dict(store.stats.miss_tokens) == {("token_mismatch", "GPU"): BLOCK_SIZE, ("after_gap", "GPU"): BLOCK_SIZE}
     # the block is intact and stays: it serves the tokens it was computed from
     assert store.medium_of(HASHES[2]) is Medium.GPU
     store.check_invariants()
@@ -148,6 +151,8 @@ def test_a_forged_disk_record_is_a_miss_after_reopening(tmp_path):
             assert result.sources == [Medium.DISK, Medium.DISK]
             assert torch.equal(store.top.tensor[result.block_ids], blocks[:2])
         assert mismatches(store) == {("DISK", "token_mismatch"): 1}
+        assert store.stats.miss_tokens[("token_mismatch", "DISK")] == BLOCK_SIZE
+        assert store.stats.miss_tokens[("failed_verification", "DISK")] == 0
         assert HASHES[2] in store.disk  # intact: not dropped like a corrupt record
         store.check_invariants()
 
@@ -226,6 +231,7 @@ def test_a_remote_block_of_other_tokens_is_a_miss_counted_token_mismatch(tmp_pat
             assert result.sources == [Medium.REMOTE]
             assert torch.equal(store.top.tensor[result.block_ids[0]], blocks[0])
         assert mismatches(store) == {("REMOTE", "token_mismatch"): 1}
+        assert store.stats.miss_tokens[("token_mismatch", "REMOTE")] == BLOCK_SIZE  # found by the read itself
         assert store.medium_of(HASHES[1]) is None  # never published
         store.check_invariants()
 
