@@ -80,6 +80,7 @@ class Bench:
 
     def __post_init__(self) -> None:
         self._chains = itertools.count()
+        self.fingerprints: dict[BlockHash, bytes] = {}  # each hash's token fingerprint (made up, 32 bytes)
 
     @property
     def nbytes(self) -> int:
@@ -88,7 +89,9 @@ class Bench:
     def fresh_chain(self) -> list[BlockHash]:
         """``num_blocks`` block hashes never used before in this run."""
         tag = next(self._chains)
-        return [BlockHash(hashlib.sha256(f"{tag}:{i}".encode()).digest()) for i in range(self.num_blocks)]
+        hashes = [BlockHash(hashlib.sha256(f"{tag}:{i}".encode()).digest()) for i in range(self.num_blocks)]
+        self.fingerprints.update((h, hashlib.sha256(b"fingerprint" + h).digest()) for h in hashes)
+        return hashes
 
     def sync(self) -> Callable[[], None] | None:
         """What :func:`measure` must call to count queued device work."""
@@ -114,7 +117,7 @@ class Bench:
     def check_store(self, store: TieredStore, hashes: list[BlockHash], what: str) -> None:
         """The sampled blocks of ``hashes`` load from ``store`` with the bytes of ``src``."""
         for i in self.sample():
-            result = store.load([hashes[i]])
+            result = store.load([hashes[i]], fingerprints=[self.fingerprints[hashes[i]]])
             with result.lease:
                 assert result.block_ids, f"{what}: block {i} is no longer stored"
                 got = store.top.tensor[result.block_ids[0]]
@@ -158,16 +161,24 @@ def copy_chunks(dst: torch.Tensor, src: torch.Tensor, chunk: int) -> None:
         dst[i : i + chunk].copy_(src[i : i + chunk], non_blocking=True)
 
 
-def put_requests(store: TieredStore, hashes: list[BlockHash], blocks: torch.Tensor, chunk: int) -> None:
+def put_requests(
+    store: TieredStore, hashes: list[BlockHash], blocks: torch.Tensor, chunk: int, fingerprints: dict
+) -> None:
+    """``store`` each request with its blocks' fingerprints (as a connector does)."""
     for i in range(0, len(hashes), chunk):
-        stored = store.store(hashes[i : i + chunk], blocks[i : i + chunk])
+        part = hashes[i : i + chunk]
+        stored = store.store(part, blocks[i : i + chunk], [fingerprints[h] for h in part])
         assert stored == len(hashes[i : i + chunk]), f"store() kept {stored} of {chunk} blocks"
 
 
-def load_requests(store: TieredStore, hashes: list[BlockHash], chunk: int, dst: torch.Tensor | None = None) -> None:
-    """``load`` each request, gather its blocks into ``dst`` (when given), release the lease."""
+def load_requests(
+    store: TieredStore, hashes: list[BlockHash], chunk: int, fingerprints: dict, dst: torch.Tensor | None = None
+) -> None:
+    """``load`` each request (checking its fingerprints, as a connector does), gather its
+    blocks into ``dst`` (when given), release the lease."""
     for i in range(0, len(hashes), chunk):
-        result = store.load(hashes[i : i + chunk])
+        part = hashes[i : i + chunk]
+        result = store.load(part, fingerprints=[fingerprints[h] for h in part])
         assert len(result.block_ids) == len(hashes[i : i + chunk]), "load() missed a stored block"
         if dst is not None:
             gather(store.top.tensor, result.block_ids, dst[i : i + chunk])
@@ -203,11 +214,12 @@ def bench_pool(b: Bench, medium: Medium) -> list[Row]:
     store = b.store(gpu_blocks=b.num_blocks) if medium is Medium.GPU else b.store(cpu_blocks=b.num_blocks)
     R, state, copy_name = b.request_blocks, {}, f"torch copy on {device}"
     try:
-        put = Case(lambda: put_requests(store, state["hashes"], src, R), lambda: state.update(hashes=b.fresh_chain()))
+        put = Case(lambda: put_requests(store, state["hashes"], src, R, b.fingerprints),
+                   lambda: state.update(hashes=b.fresh_chain()))
         rows = [b.row(f"{medium} put: store(), pool full (LRU evicts)", put,
                       Case(lambda: copy_chunks(scratch, src, R)), copy_name)]
         b.check_store(store, state["hashes"], f"{medium} put")
-        get = Case(lambda: load_requests(store, state["hashes"], R, dst), lambda: b.poison(dst))
+        get = Case(lambda: load_requests(store, state["hashes"], R, b.fingerprints, dst), lambda: b.poison(dst))
         rows.append(b.row(f"{medium} get: load() + gather + release", get,
                           Case(lambda: copy_chunks(dst, scratch, R)), copy_name))
         b.check(dst, src, f"{medium} get")
@@ -225,9 +237,9 @@ def bench_promotion_to_gpu(b: Bench) -> Row:
     try:
         chains = [b.fresh_chain(), b.fresh_chain()]
         for hashes in chains:  # the second store spills the first chain to the CPU slab
-            put_requests(store, hashes, b.src, b.request_blocks)
+            put_requests(store, hashes, b.src, b.request_blocks, b.fingerprints)
         turn = itertools.count()  # warm-up loads chain 0 (spilling chain 1), then they alternate
-        promote = Case(lambda: load_requests(store, chains[next(turn) % 2], b.request_blocks))
+        promote = Case(lambda: load_requests(store, chains[next(turn) % 2], b.request_blocks, b.fingerprints))
         row = b.row("CPU -> GPU promotion: load()" + (" (H2D)" if cuda else ""), promote,
                     Case(lambda: copy_chunks(pool, host, b.request_blocks)),
                     "H2D torch copy, pinned" if cuda else "torch copy on cpu")
@@ -250,12 +262,14 @@ def bench_disk(b: Bench) -> list[Row]:
     def put() -> None:
         hashes = state["hashes"]
         for i in range(0, b.num_blocks, B):
-            ok = disk.write_batch([(hashes[j], NAMESPACE, b.src[j]) for j in range(i, min(i + B, b.num_blocks))])
+            fps = b.fingerprints
+            batch = range(i, min(i + B, b.num_blocks))
+            ok = disk.write_batch([(hashes[j], NAMESPACE, b.src[j], fps[hashes[j]]) for j in batch])
             assert all(ok), "DISK write_batch refused a block"
 
     def get() -> None:
         for j, h in enumerate(state["hashes"]):
-            assert disk.read_into(h, NAMESPACE, b.dst[j]) is ReadStatus.OK, "DISK read failed"
+            assert disk.read_into(h, NAMESPACE, b.dst[j], b.fingerprints[h]) is ReadStatus.OK, "DISK read failed"
 
     try:
         rows = [b.row(f"DISK put: write_batch({B})", Case(put, before_put),
@@ -275,19 +289,19 @@ def bench_store_disk(b: Bench) -> list[Row]:
     assert disk is not None
     try:
         state = {"hashes": b.fresh_chain()}
-        put_requests(store, state["hashes"], b.src, R)  # fill the slab: every later store spills
+        put_requests(store, state["hashes"], b.src, R, b.fingerprints)  # fill the slab: every later store spills
 
         def before_spill() -> None:  # empty DISK, so the previous chain's spill always fits
             disk.remove(list(disk.lru_order()))
             state["prev"], state["hashes"] = state["hashes"], b.fresh_chain()
 
-        spill = Case(lambda: put_requests(store, state["hashes"], b.src, R), before_spill)
+        spill = Case(lambda: put_requests(store, state["hashes"], b.src, R, b.fingerprints), before_spill)
         rows = [b.row("DISK spill: store() into full CPU slab", spill,
                       Case(lambda: raw_write(raw_path, b.src, b.disk_batch)), "raw file write, no fsync")]
         # DISK holds the chain before the last, the slab the last: loading them in turn promotes
         # from DISK only (the warm-up load also spills the last chain, which is not on DISK yet).
         chains, turn = [state["prev"], state["hashes"]], itertools.count()
-        promote = Case(lambda: load_requests(store, chains[next(turn) % 2], R))
+        promote = Case(lambda: load_requests(store, chains[next(turn) % 2], R, b.fingerprints))
         rows.append(b.row("DISK -> CPU promotion: load()", promote,
                           Case(lambda: raw_read(raw_path, b.dst, b.disk_batch)), "raw file readinto"))
         assert store.stats.loaded_blocks[Medium.DISK] >= b.num_blocks * (b.repeats + 1), "a load skipped DISK"

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvtier.config import StoreConfig
-    from kvtier.hashing import KeyContext, hash_block_tokens
+    from kvtier.hashing import KeyContext, block_keys_for, hash_block_tokens
     from kvtier.store import LookupResult, TieredStore
     from kvtier.types import BlockHash, KVSpec, Medium
 
@@ -27,6 +27,7 @@ _EXPORTS = {
     "Medium": "kvtier.types",
     "StoreConfig": "kvtier.config",
     "TieredStore": "kvtier.store",
+    "block_keys_for": "kvtier.hashing",
     "hash_block_tokens": "kvtier.hashing",
 }
 __all__ = sorted(_EXPORTS)

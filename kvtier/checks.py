@@ -13,6 +13,10 @@ Rules (every check raises ``ValueError("expected ..., got ...")``):
 - **block hash**: ``bytes`` of 16 (xxh3-128) or 32 (SHA-256) bytes, what
   :mod:`kvtier.hashing` makes (:data:`BLOCK_HASH_NBYTES`). One rule for the store, DISK (LMDB
   keys, at most 511 bytes), Redis keys and the daemon's frames (whose ``hash_len`` is one byte).
+- **fingerprints** (:mod:`kvtier.hashing`): ``None`` (the caller does not know the tokens),
+  or a sequence of ``bytes`` of exactly :data:`FINGERPRINT_NBYTES`, one per block hash
+  (:func:`check_fingerprints`); the fingerprints a REMOTE read expects may also hold ``None``
+  entries, blocks not checked (:func:`expected_fingerprints`).
 - **a batch** of block hashes: a sequence (a msgpack array on the wire), at most
   ``max_blocks`` long when a limit is given; over the limit, :class:`BatchTooLarge` (the
   daemon answers 413).
@@ -33,11 +37,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # kvtier.types imports torch; the CLI's --help (StoreConfig's checks) must not
-    from kvtier.types import BlockHash
+    from kvtier.types import BlockHash, Fingerprint
 
 NAMESPACE_NBYTES = 32
 BLOCK_HASH_NBYTES = (16, 32)
 """Block hash sizes: xxh3-128 and SHA-256 (kvtier.hashing)."""
+
+FINGERPRINT_NBYTES = 32
+"""A block's token fingerprint: SHA-256 (kvtier.hashing)."""
 
 _NAMESPACE_HEX = re.compile(r"[0-9a-f]{64}")
 _TENANT = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
@@ -159,3 +166,46 @@ def check_block_hashes(values: Any, max_blocks: int | None = None) -> list[Block
             i = next(i for i, x in enumerate(values) if x is h)
             raise ValueError(f"expected block hashes as bytes of 16 or 32 bytes, got {_describe(h)} at index {i}")
     return values if isinstance(values, list) else list(values)
+
+
+def check_fingerprints(values: Any, num_blocks: int) -> list[Fingerprint] | None:
+    """``values`` as a list of ``num_blocks`` fingerprints, or ``None`` when it is ``None``.
+
+    Raises:
+        ValueError: not a sequence of ``num_blocks`` ``bytes`` of 32 bytes.
+    """
+    if values is None:
+        return None
+    if not isinstance(values, (list, tuple)):
+        if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
+            raise ValueError(f"expected fingerprints as a list of bytes, got {type(values).__name__}")
+        values = list(values)
+    if len(values) != num_blocks:
+        raise ValueError(f"expected one fingerprint per block hash ({num_blocks}), got {len(values)}")
+    for fp in values:
+        if not isinstance(fp, bytes) or len(fp) != FINGERPRINT_NBYTES:
+            i = next(i for i, x in enumerate(values) if x is fp)
+            raise ValueError(
+                f"expected fingerprints as bytes of {FINGERPRINT_NBYTES} bytes, got {_describe(fp)} at index {i}"
+            )
+    return values if isinstance(values, list) else list(values)
+
+
+def expected_fingerprints(values: Any, num_blocks: int) -> list[Fingerprint | None]:
+    """The fingerprints a read expects, one per block: ``values`` with ``None`` entries (not
+    checked) allowed; all ``None`` when ``values`` is ``None``.
+
+    Raises:
+        ValueError: not a sequence of ``num_blocks`` entries, each ``None`` or 32 bytes.
+    """
+    if values is None:
+        return [None] * num_blocks
+    if not isinstance(values, (list, tuple)) or len(values) != num_blocks:
+        got = _describe(values)
+        raise ValueError(f"expected a list of {num_blocks} fingerprints (or None entries), got {got}")
+    for fp in values:
+        if fp is not None and (not isinstance(fp, bytes) or len(fp) != FINGERPRINT_NBYTES):
+            raise ValueError(
+                f"expected fingerprints as bytes of {FINGERPRINT_NBYTES} bytes or None, got {_describe(fp)}"
+            )
+    return list(values)

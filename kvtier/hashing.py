@@ -10,6 +10,19 @@ seeded or pickled hashes either change across processes or can be made to collid
 H is SHA-256 (32-byte hashes) by default; ``xxh3_128`` (16 bytes, from the ``xxhash``
 package) is an option for when hashing shows in profiles and collision resistance against a
 hostile tenant is not needed (isolate such tenants with ``cache_salt``).
+
+Beside its hash, every block has a *fingerprint* of the tokens it covers, always SHA-256
+under its own domain and chained over the fingerprints, never over the block hashes::
+
+    fingerprint[i] = SHA-256(TOKENS_DOMAIN, fingerprint[i-1], token_ids of block i, extra_keys)
+
+with ``fingerprint[-1] = namespace``. Every tier stores it with the block and a load checks
+it against the request's (:mod:`kvtier.records`, :mod:`kvtier.store`): a hash decides where
+to look, never alone what is served. A collision of the block hash (xxh3-128 against an
+adversary, or a bug that stores a block under another key) then serves nothing: the stored
+fingerprint differs. Chaining over fingerprints rather than over the (possibly weak) parent
+hash makes the fingerprint bind the whole prefix, so a block computed after another prompt's
+colliding parent is caught too, not only the colliding block itself.
 """
 
 from __future__ import annotations
@@ -21,13 +34,14 @@ from typing import Literal, Sequence
 import msgpack
 import numpy as np
 
-from kvtier.types import KV_LAYOUT, BlockHash
+from kvtier.types import KV_LAYOUT, BlockHash, Fingerprint
 
 HashName = Literal["sha256", "xxh3_128"]
 HASH_NAMES: tuple[str, ...] = ("sha256", "xxh3_128")
 
 _NAMESPACE_DOMAIN = b"kvtier/namespace/v1"
 _BLOCK_DOMAIN = b"kvtier/block/v1"
+_TOKENS_DOMAIN = b"kvtier/tokens/v1"
 
 
 def _digest(hash_name: str, data: bytes) -> bytes:
@@ -56,6 +70,10 @@ class KeyContext:
         lora_name, lora_version: LoRA adapter applied, if any.
         cache_salt: tenant isolation salt (vLLM's ``cache_salt``): tenants never share blocks.
         hash_name: block hash function; part of the namespace so two choices never mix.
+        kv_config: canonical bytes of the K/V-relevant fields of the effective model config
+            (:func:`kvtier.model_keys.kv_config_bytes`): RoPE, windows, heads, attention
+            scaling, KV dtype, ... Set by the connectors whatever ``model_revision`` says, so
+            a config change under one revision string misses (``b""``: not given).
     """
 
     model_id: str
@@ -69,6 +87,7 @@ class KeyContext:
     lora_version: str | None = None
     cache_salt: str | None = None
     hash_name: HashName = "sha256"
+    kv_config: bytes = b""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id:
@@ -83,6 +102,8 @@ class KeyContext:
             v = getattr(self, f)
             if v is not None and not isinstance(v, str):
                 raise ValueError(f"expected {f} to be a str or None, got {type(v).__name__}")
+        if not isinstance(self.kv_config, bytes):
+            raise ValueError(f"expected kv_config to be bytes (kv_config_bytes), got {type(self.kv_config).__name__}")
 
     def canonical_bytes(self) -> bytes:
         """Canonical encoding: msgpack of ``[[field_name, value], ...]`` in declaration order.
@@ -102,6 +123,15 @@ class KeyContext:
         return namespace
 
 
+def _block_body(token_ids: Sequence[int] | np.ndarray, extra_keys: bytes) -> bytes:
+    """``len u32 | token ids int64-LE | len u32 | extra_keys``: what both the block hash and
+    the fingerprint cover after their parent."""
+    tokens = np.ascontiguousarray(token_ids, dtype="<i8")
+    return (
+        len(tokens).to_bytes(4, "little") + tokens.tobytes() + len(extra_keys).to_bytes(4, "little") + extra_keys
+    )
+
+
 def hash_block_tokens(
     parent: bytes,
     token_ids: Sequence[int] | np.ndarray,
@@ -117,10 +147,28 @@ def hash_block_tokens(
             (e.g. an image hash for multimodal tokens); empty when none.
         hash_name: ``"sha256"`` or ``"xxh3_128"``.
     """
-    tokens = np.ascontiguousarray(token_ids, dtype="<i8")
-    header = len(parent).to_bytes(1, "little") + parent + len(tokens).to_bytes(4, "little")
-    body = tokens.tobytes() + len(extra_keys).to_bytes(4, "little") + extra_keys
-    return BlockHash(_digest(hash_name, _BLOCK_DOMAIN + header + body))
+    header = len(parent).to_bytes(1, "little") + parent
+    return BlockHash(_digest(hash_name, _BLOCK_DOMAIN + header + _block_body(token_ids, extra_keys)))
+
+
+def fingerprint_block_tokens(
+    parent: bytes, token_ids: Sequence[int] | np.ndarray, extra_keys: bytes = b""
+) -> Fingerprint:
+    """The 32-byte fingerprint of one block (module docstring): SHA-256 whatever the block
+    hash function, chained to ``parent`` (the previous block's fingerprint, or the namespace
+    for the first block)."""
+    return Fingerprint(hashlib.sha256(_TOKENS_DOMAIN + parent + _block_body(token_ids, extra_keys)).digest())
+
+
+def key_block_tokens(
+    parent: bytes, parent_fingerprint: bytes, token_ids: Sequence[int] | np.ndarray, extra_keys: bytes = b"",
+    hash_name: str = "sha256",
+) -> tuple[BlockHash, Fingerprint]:
+    """``(hash_block_tokens(parent, ...), fingerprint_block_tokens(parent_fingerprint, ...))``
+    encoding the tokens once: the next link of both chains."""
+    body = _block_body(token_ids, extra_keys)
+    block_hash = BlockHash(_digest(hash_name, _BLOCK_DOMAIN + len(parent).to_bytes(1, "little") + parent + body))
+    return block_hash, Fingerprint(hashlib.sha256(_TOKENS_DOMAIN + parent_fingerprint + body).digest())
 
 
 def block_hashes_for(
@@ -160,6 +208,37 @@ def block_hashes_for(
         parent = hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size], extra, hash_name)
         hashes.append(parent)
     return hashes
+
+
+def block_keys_for(
+    token_ids: Sequence[int] | np.ndarray,
+    namespace: bytes,
+    block_size: int,
+    hash_name: str = "sha256",
+    extra_keys: Sequence[bytes] | None = None,
+) -> tuple[list[BlockHash], list[Fingerprint]]:
+    """The block hashes (:func:`block_hashes_for`) and fingerprints of every full block of
+    ``token_ids``, in one pass over the tokens: what a connector hands the store on a load
+    (expected) and on a store (kept with each block). Same arguments and errors as
+    :func:`block_hashes_for`."""
+    if block_size <= 0:
+        raise ValueError(f"expected block_size > 0, got {block_size}")
+    tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    if tokens.size and int(tokens.min()) < 0:
+        raise ValueError(f"expected non-negative token ids, got min {int(tokens.min())}")
+    num_blocks = tokens.size // block_size
+    if extra_keys is not None and len(extra_keys) != num_blocks:
+        raise ValueError(f"expected {num_blocks} extra_keys entries, got {len(extra_keys)}")
+    hashes: list[BlockHash] = []
+    fingerprints: list[Fingerprint] = []
+    parent, parent_fp = namespace, namespace
+    for i in range(num_blocks):
+        extra = extra_keys[i] if extra_keys else b""
+        block = tokens[i * block_size : (i + 1) * block_size]
+        parent, parent_fp = key_block_tokens(parent, parent_fp, block, extra, hash_name)
+        hashes.append(parent)
+        fingerprints.append(parent_fp)
+    return hashes, fingerprints
 
 
 # -- what explains a miss: content keys and the contexts seen in this process -----------------

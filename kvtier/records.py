@@ -1,15 +1,25 @@
 """The block record: kvtier's one on-disk and on-the-wire format for a block.
 
-A record is a 96-byte header followed by the raw block bytes::
+A record is a 128-byte header followed by the raw block bytes::
 
     magic "KVTB" | version u16 | dtype code u8 | ndim u8 | shape 8 x u32 | namespace 32 B |
-    payload_nbytes u64 | seq u64 | checksum u64 (xxh3-64 over the header before it + payload)
+    fingerprint 32 B | payload_nbytes u64 | seq u64 |
+    checksum u64 (xxh3-64 over the header before it + payload)
 
 The DISK tier stores records as LMDB values, the daemon sends and receives them, Redis holds
 them as values. Every reader verifies magic, version, namespace, dtype, shape, size and the
 checksum before a byte reaches the caller (:func:`decode_into`); anything else is ``CORRUPT``
-and is never served (case D1). ``seq`` is the writer's store sequence (DISK uses it to
-rebuild LRU order); other writers may leave it 0.
+and is never served (case D1). ``fingerprint`` is the token fingerprint of the block
+(:mod:`kvtier.hashing`); a reader that knows the request's tokens passes its expected
+fingerprint, and a record whose fingerprint differs is ``TOKEN_MISMATCH``: intact, but
+computed from other tokens, never served. ``seq`` is the writer's store sequence (DISK uses
+it to rebuild LRU order); other writers may leave it 0.
+
+Versions: version 2 added the fingerprint (version 1 was the 96-byte header without it). A
+record of another version is not corrupt: it is another release's, and is a miss
+(``OTHER_VERSION``; :func:`record_version` tells it apart from garbage) that the tiers leave
+to age out rather than delete (a process of another release may share the DISK directory
+or the REMOTE tier).
 """
 
 from __future__ import annotations
@@ -23,13 +33,14 @@ import numpy as np
 import torch
 import xxhash
 
-from kvtier.types import DTYPE_NAMES, DTYPES_BY_NAME
+from kvtier.types import DTYPE_NAMES, DTYPES_BY_NAME, NO_FINGERPRINT
 
 _MAGIC = b"KVTB"
-_VERSION = 1
-_HEADER = struct.Struct("<4sHBB8I32sQQ")  # everything but the trailing checksum
+VERSION = 2
+_HEADER = struct.Struct("<4sHBB8I32s32sQQ")  # everything but the trailing checksum
 _CHECKSUM = struct.Struct("<Q")
-HEADER_NBYTES = _HEADER.size + _CHECKSUM.size  # 96
+_MAGIC_VERSION = struct.Struct("<4sH")
+HEADER_NBYTES = _HEADER.size + _CHECKSUM.size  # 128
 _DTYPE_CODES = {name: i + 1 for i, name in enumerate(sorted(DTYPE_NAMES.values()))}
 _DTYPE_BY_CODE = {code: name for name, code in _DTYPE_CODES.items()}
 _CHUNK_NBYTES = 256 << 10  # copy+hash granularity: stays in L2 between the copy and the hash
@@ -43,6 +54,8 @@ class ReadStatus(enum.Enum):
     CORRUPT = "corrupt"
     TIMEOUT = "timeout"
     UNAVAILABLE = "unavailable"  # backend down, connection refused, protocol error
+    TOKEN_MISMATCH = "token_mismatch"  # intact, but its fingerprint is not the request's
+    OTHER_VERSION = "other_version"  # a record of another format version (another release)
 
 
 def record_nbytes(payload_nbytes: int) -> int:
@@ -50,21 +63,22 @@ def record_nbytes(payload_nbytes: int) -> int:
     return HEADER_NBYTES + payload_nbytes
 
 
-def _pack_header(namespace: bytes, block: torch.Tensor, seq: int) -> bytes:
+def _pack_header(namespace: bytes, block: torch.Tensor, seq: int, fingerprint: bytes) -> bytes:
     """The header's fields before the checksum (``_HEADER.size`` bytes)."""
     assert block.is_contiguous() and block.device.type == "cpu", "block must be contiguous on CPU"
     shape = list(block.shape)
-    assert len(shape) <= 8 and len(namespace) == 32
+    assert len(shape) <= 8 and len(namespace) == 32 and len(fingerprint) == 32
     return _HEADER.pack(
-        _MAGIC, _VERSION, _DTYPE_CODES[DTYPE_NAMES[block.dtype]], len(shape),
-        *(shape + [0] * (8 - len(shape))), namespace, block.numel() * block.element_size(), seq,
+        _MAGIC, VERSION, _DTYPE_CODES[DTYPE_NAMES[block.dtype]], len(shape),
+        *(shape + [0] * (8 - len(shape))), namespace, fingerprint, block.numel() * block.element_size(), seq,
     )
 
 
-def encode_record(namespace: bytes, block: torch.Tensor, seq: int) -> np.ndarray:
+def encode_record(namespace: bytes, block: torch.Tensor, seq: int, fingerprint: bytes = NO_FINGERPRINT) -> np.ndarray:
     """Header + checksum + payload in one new buffer: one copy of the block, hashed chunk by
-    chunk from the buffer while it is hot."""
-    header = _pack_header(namespace, block, seq)
+    chunk from the buffer while it is hot. ``fingerprint``: the block's token fingerprint
+    (32 bytes)."""
+    header = _pack_header(namespace, block, seq, fingerprint)
     payload_nbytes = block.numel() * block.element_size()
     record = np.empty(HEADER_NBYTES + payload_nbytes, dtype=np.uint8)
     record[: _HEADER.size] = np.frombuffer(header, dtype=np.uint8)
@@ -80,17 +94,20 @@ def encode_record(namespace: bytes, block: torch.Tensor, seq: int) -> np.ndarray
     return record
 
 
-def encode_header(namespace: bytes, block: torch.Tensor, seq: int = 0) -> bytes:
-    """The 96-byte header (checksum included) of ``block``'s record, hashing the block in
-    place: ``encode_header(ns, block, seq) + block bytes == encode_record(ns, block, seq)``,
-    so a sender can write the header and then the block's own memory, with no record copy.
+def encode_header(namespace: bytes, block: torch.Tensor, seq: int = 0, fingerprint: bytes = NO_FINGERPRINT) -> bytes:
+    """The 128-byte header (checksum included) of ``block``'s record, hashing the block in
+    place: ``encode_header(ns, block, seq, fp) + block bytes == encode_record(ns, block, seq,
+    fp)``, so a sender can write the header and then the block's own memory, with no record
+    copy.
 
     Args:
         namespace: 32 bytes.
         block: contiguous CPU tensor of one block, any shape of up to 8 dims, a dtype of
             :data:`kvtier.types.DTYPE_NAMES`.
+        seq: the writer's store sequence (0: none).
+        fingerprint: the block's token fingerprint, 32 bytes.
     """
-    header = _pack_header(namespace, block, seq)
+    header = _pack_header(namespace, block, seq, fingerprint)
     digest = xxhash.xxh3_64(header)
     if block.numel():
         digest.update(block.view(torch.uint8).numpy().reshape(-1))
@@ -105,20 +122,22 @@ class RecordHeader(NamedTuple):
     dtype: str
     shape: tuple[int, ...]
     namespace: bytes
+    fingerprint: bytes
     payload_nbytes: int
     seq: int
     checksum: int
 
     def digest(self, header: bytes | memoryview) -> "xxhash.xxh3_64":
-        """A running xxh3-64 primed with ``header`` (this record's 96 header bytes): feed it
+        """A running xxh3-64 primed with ``header`` (this record's 128 header bytes): feed it
         the payload in order with ``update``; the record is intact iff ``intdigest()`` then
         equals ``checksum``."""
         return xxhash.xxh3_64(header[: _HEADER.size])
 
 
 def parse_header(header: bytes | memoryview, record_nbytes: int | None = None) -> RecordHeader | None:
-    """The fields of a record's 96-byte header (the record's first bytes), or ``None`` when
-    they are not a consistent kvtier header: magic, version, dtype code, ndim, a payload size
+    """The fields of a record's 128-byte header (the record's first bytes), or ``None`` when
+    they are not a consistent kvtier header of this version (:data:`VERSION`; see
+    :func:`record_version` for another version's): magic, version, dtype code, ndim, a payload size
     that is not ``prod(shape) * itemsize``, a sequence out of range, or (given
     ``record_nbytes``, the whole record's length) a payload size that does not add up to it.
     A corrupt size or sequence must not skew accounting or order.
@@ -130,8 +149,8 @@ def parse_header(header: bytes | memoryview, record_nbytes: int | None = None) -
     if len(header) < HEADER_NBYTES:
         return None
     magic, version, dtype_code, ndim, *rest = _HEADER.unpack_from(header)
-    shape, namespace, payload_nbytes, seq = rest[:8], rest[8], rest[9], rest[10]
-    if magic != _MAGIC or version != _VERSION or dtype_code not in _DTYPE_BY_CODE or not 0 < ndim <= 8:
+    shape, namespace, fingerprint, payload_nbytes, seq = rest[:8], rest[8], rest[9], rest[10], rest[11]
+    if magic != _MAGIC or version != VERSION or dtype_code not in _DTYPE_BY_CODE or not 0 < ndim <= 8:
         return None
     dtype = _DTYPE_BY_CODE[dtype_code]
     if payload_nbytes != math.prod(shape[:ndim]) * DTYPES_BY_NAME[dtype].itemsize or seq >= 1 << 62:
@@ -139,17 +158,41 @@ def parse_header(header: bytes | memoryview, record_nbytes: int | None = None) -
     if record_nbytes is not None and record_nbytes != HEADER_NBYTES + payload_nbytes:
         return None
     (checksum,) = _CHECKSUM.unpack_from(header, _HEADER.size)
-    return RecordHeader(dtype, tuple(shape[:ndim]), namespace, payload_nbytes, seq, checksum)
+    return RecordHeader(dtype, tuple(shape[:ndim]), namespace, fingerprint, payload_nbytes, seq, checksum)
 
 
-def decode_into(value: memoryview, namespace: bytes, out: torch.Tensor) -> ReadStatus:
+def record_version(value: bytes | memoryview) -> int | None:
+    """The format version of a record (any release's: its first 6 bytes are magic and
+    version in every version), or ``None`` when ``value`` does not start like a record."""
+    if len(value) < _MAGIC_VERSION.size:
+        return None
+    magic, version = _MAGIC_VERSION.unpack_from(value)
+    return version if magic == _MAGIC else None
+
+
+def failed_header_status(value: bytes | memoryview) -> ReadStatus:
+    """Why a header :func:`parse_header` refused is not served: ``OTHER_VERSION`` for a
+    record of another version, else ``CORRUPT``."""
+    version = record_version(value)
+    return ReadStatus.OTHER_VERSION if version is not None and version != VERSION else ReadStatus.CORRUPT
+
+
+def decode_into(value: memoryview, namespace: bytes, out: torch.Tensor, fingerprint: bytes | None = None) -> ReadStatus:
     """Verify the whole record ``value`` and copy its payload into ``out`` (a contiguous CPU
-    tensor of the expected shape and dtype): ``OK`` iff header, namespace, dtype, shape, size
-    and checksum all match; ``CORRUPT`` otherwise (``out`` may then hold partial bytes)."""
+    tensor of the expected shape and dtype).
+
+    Returns:
+        ``OK`` iff header, namespace, dtype, shape, size and checksum all match and, given
+        ``fingerprint`` (the request's), the record's fingerprint equals it;
+        ``TOKEN_MISMATCH`` for an intact record of other tokens; ``OTHER_VERSION`` for a
+        record of another format version; ``CORRUPT`` otherwise. Unless ``OK``, ``out`` may
+        hold partial or other bytes: never use them.
+    """
     record = parse_header(value, len(value))
+    if record is None:
+        return failed_header_status(value)
     if (
-        record is None
-        or record.namespace != namespace
+        record.namespace != namespace
         or record.dtype != DTYPE_NAMES.get(out.dtype)
         or record.shape != tuple(out.shape)
         or record.payload_nbytes != out.numel() * out.element_size()
@@ -165,4 +208,16 @@ def decode_into(value: memoryview, namespace: bytes, out: torch.Tensor) -> ReadS
             chunk = dst[start : start + _CHUNK_NBYTES]
             np.copyto(chunk, src[start : start + _CHUNK_NBYTES])
             digest.update(chunk)
-    return ReadStatus.OK if digest.intdigest() == record.checksum else ReadStatus.CORRUPT
+    return check_record(record, digest.intdigest(), fingerprint)
+
+
+def check_record(record: RecordHeader, checksum: int, fingerprint: bytes | None) -> ReadStatus:
+    """The verdict on a record whose payload hashed to ``checksum``: ``CORRUPT`` if that is
+    not the header's, else ``TOKEN_MISMATCH`` if ``fingerprint`` is given and is not the
+    record's, else ``OK``. Checked after the payload, so a damaged fingerprint field is
+    ``CORRUPT``, not a mismatch (the checksum covers it)."""
+    if checksum != record.checksum:
+        return ReadStatus.CORRUPT
+    if fingerprint is not None and fingerprint != record.fingerprint:
+        return ReadStatus.TOKEN_MISMATCH
+    return ReadStatus.OK

@@ -6,6 +6,10 @@ Glossary (the terms of vLLM v1 core and nano-vllm, used the same way in every mo
 - **block_hash**: content key of a block, chained over the prompt's blocks and rooted in
   the namespace (:mod:`kvtier.hashing`). A :class:`BlockHash` is ``bytes`` (32 bytes for
   SHA-256, 16 for xxh3-128).
+- **fingerprint**: a 32-byte SHA-256 of the tokens a block covers (its parent's fingerprint,
+  its token ids, its extra keys; :mod:`kvtier.hashing`). Every tier keeps it with the block
+  and a load checks it against the request's: the hash decides where to look, the
+  fingerprint what may be served (:data:`NO_FINGERPRINT`: stored without tokens).
 - **namespace**: digest of everything that changes the K/V bytes (model, weights revision,
   dtype, KV layout, block_size, TP rank/size, LoRA, tenant ``cache_salt``).
 - **block_id**: a slot in a tier's preallocated pool tensor (GPU or CPU medium).
@@ -47,6 +51,11 @@ from typing import Literal, NewType, Sequence
 import torch
 
 BlockHash = NewType("BlockHash", bytes)
+Fingerprint = NewType("Fingerprint", bytes)
+NO_FINGERPRINT = Fingerprint(bytes(32))
+"""The fingerprint of a block stored without its tokens (the store API called without
+fingerprints): it never matches a real fingerprint, so such a block never serves a load that
+checks its tokens."""
 
 
 class Medium(str, enum.Enum):

@@ -9,8 +9,9 @@ Bodies of the small calls (register, lookup, get request) are msgpack maps
 Block transfers (the ``get`` response and the ``put`` request) are a stream of frames
 (``application/x-kvtier-frames``), so neither side ever holds a whole batch::
 
-    frame = hash_len u8 (16 or 32) | block_hash | record (kvtier.records: 96-byte header
-            with payload_nbytes and checksum, then payload_nbytes raw block bytes)
+    frame = hash_len u8 (16 or 32) | block_hash | record (kvtier.records: 128-byte header
+            with the block's token fingerprint, payload_nbytes and checksum, then
+            payload_nbytes raw block bytes)
     body  = frame* | 0x00                  (a zero hash_len ends the stream)
 
 The end byte tells a complete stream from one cut short (a daemon killed mid-response). A

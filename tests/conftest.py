@@ -151,14 +151,14 @@ class MemoryRemote(_MemoryRemote):
             return 0
         return super().lookup(namespace, block_hashes)
 
-    def get_into(self, namespace, block_hashes, outs):
+    def get_into(self, namespace, block_hashes, outs, fingerprints=None):
         if self.down:
             self.errors["unavailable"] += 1
             return [ReadStatus.UNAVAILABLE] * len(block_hashes)
-        return super().get_into(namespace, block_hashes, outs)
+        return super().get_into(namespace, block_hashes, outs, fingerprints)
 
-    def put(self, namespace, block_hashes, blocks):
+    def put(self, namespace, block_hashes, blocks, fingerprints=None):
         if self.down:
             self.errors["unavailable"] += 1
             return [False] * len(block_hashes)
-        return super().put(namespace, block_hashes, blocks)
+        return super().put(namespace, block_hashes, blocks, fingerprints)

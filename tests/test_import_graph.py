@@ -22,6 +22,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / "kvtier"
 LAYERS: dict[str, int] = {
     # 0: the vocabulary: types, keys, configuration, boundary checks; the compute kernels
     "kvtier.types": 0, "kvtier.hashing": 0, "kvtier.config": 0, "kvtier.checks": 0, "kvtier.kernels": 0,
+    "kvtier.model_keys": 0, "kvtier.media": 0,
     # 1: the bytes and where they live: block records, wire formats, tiers
     "kvtier.records": 1, "kvtier.wire": 1, "kvtier.auth": 1, "kvtier.tiers": 1,
     # 2: moving blocks between tiers, the store; the package's facade (kvtier/__init__.py)

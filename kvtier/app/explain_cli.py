@@ -51,6 +51,7 @@ def _where(reason: str | None, tier: str, detail: str) -> str:
         return f"hit {tier}"
     text = {
         misses.EVICTED: f"evicted from {tier}",
+        misses.TOKEN_MISMATCH: f"in {tier}, but computed from other tokens",
         misses.FAILED_VERIFICATION: f"failed verification on {tier}" + (f" ({detail})" if detail else ""),
         misses.LOAD_FAILED: f"load from {tier} failed" + (f" ({detail})" if detail else ""),
         misses.AFTER_GAP: f"in {tier}, but after an earlier miss",

@@ -22,6 +22,17 @@ is gathered as soon as its own copy landed.
 ``after_request`` stores every full block of ``prompt + output`` whose K/V the cache holds
 (the last generated token has none: it was sampled, never fed back).
 
+Both hooks pass the store the token fingerprint of every block (:func:`block_keys_for`): a
+block is stored with the tokens it was computed from, and a load serves only blocks whose
+tokens are the prompt's (a hash collision or a forged record is a miss).
+
+Images (vision-language models such as LLaVA): pass the processor outputs as ``media`` to
+``prefetch``/``before_prefill`` and ``after_request``. The blocks holding an image's
+placeholder tokens are keyed by the image's content (:mod:`kvtier.connectors.hf_media`), a
+hit never ends inside an image, and ``plan.generate_kwargs()`` holds the processor outputs
+of the images after the cached prefix only (pass it instead of them). Images that cannot be
+keyed make the prompt uncached (``generate_kwargs()`` then holds all of them).
+
 TTFT saved (:mod:`kvtier.connectors.ttft`): the model's first forward after ``before_prefill``
 (the prefill) is timed; at ``after_request`` the connector counts the computed tokens and the
 seconds the cached ones saved (their count times the fitted prefill cost per token, minus
@@ -58,8 +69,10 @@ from kvtier.connectors.hf_cache import (
     new_cache,
     scatter_from_layers,
 )
+from kvtier.connectors.hf_media import PromptMedia, prompt_media
 from kvtier.connectors.ttft import ForwardTimer, PrefillRate
-from kvtier.hashing import KeyContext, block_hashes_for, content_keys
+from kvtier.hashing import KeyContext, block_hashes_for, block_keys_for, content_keys
+from kvtier.model_keys import kv_config_bytes, kv_config_fields
 from kvtier.store import PrefetchHandle, ResetResult, TieredStore
 from kvtier.store.misses import Explanation
 from kvtier.store.results import PromptInfo
@@ -106,6 +119,10 @@ class PrefetchTicket:
     block_hashes: list[BlockHash]
     handle: PrefetchHandle
     used: bool = False
+    fingerprints: list[bytes] = field(default_factory=list)
+    """The prompt's token fingerprints: a ticket serves only a prompt of the same tokens (a
+    prompt whose hashes collide with it gets a prefetch of its own)."""
+    media: PromptMedia | None = None
 
     def cancel(self) -> None:
         """Give the pins back (the request went away)."""
@@ -125,6 +142,8 @@ class PrefillPlan:
         block_hashes: hashes of the prompt's full blocks.
         sources: the medium each loaded block came from, ``[num_cached_tokens // block_size]``.
         cache_kwarg: ``"cache"`` or ``"past_key_values"`` (see :func:`cache_kwarg`).
+        media_inputs: the processor outputs the prefill of the rest of the prompt needs (the
+            images after the cached prefix: :meth:`PromptMedia.inputs_after`).
     """
 
     num_cached_tokens: int
@@ -132,9 +151,12 @@ class PrefillPlan:
     block_hashes: list[BlockHash]
     sources: list[Medium] = field(default_factory=list)
     cache_kwarg: str = "past_key_values"
+    media_inputs: dict[str, Any] = field(default_factory=dict)
 
     def generate_kwargs(self) -> dict[str, Any]:
-        return {self.cache_kwarg: self.cache}
+        """Keyword arguments for ``generate``/``forward`` beside ``input_ids``: the cache, and
+        the media inputs still to embed."""
+        return {self.cache_kwarg: self.cache, **self.media_inputs}
 
     def cached_tokens_by_medium(self, block_size: int) -> dict[str, int]:
         """Cached prompt tokens per tier name, fastest tier first: ``{"CPU": 64, "DISK": 32}``."""
@@ -214,7 +236,9 @@ class HFConnector:
         :func:`weights_fingerprint`; ``remote`` is a REMOTE backend to use instead of the one
         ``config.remote_url`` names (e.g. ``kvtier.testing.MemoryRemote``; not closed with
         the connector); ``emulate_gpu`` builds the GPU pool in host memory for a model on
-        the CPU (``TieredStore``'s option: the two-pool hierarchy of a CUDA machine, for tests).
+        the CPU (``TieredStore``'s option: the two-pool hierarchy of a CUDA machine, for
+        tests). The K/V-relevant fields of ``model.config`` as it is now
+        (:mod:`kvtier.model_keys`) are keyed on their own whatever ``model_revision`` says.
 
         Raises:
             UnsupportedModelError: a model kvtier cannot serve exactly (linear attention,
@@ -232,6 +256,7 @@ class HFConnector:
             lora_version=lora_version,
             cache_salt=cache_salt,
             hash_name=config.hash_name,
+            kv_config=kv_config_bytes(kv_config_fields(model.config, kv_cache_dtype=dtype_name(spec.dtype))),
         )
         store = TieredStore(spec, config, key_context.namespace(), model.device, remote, emulate_gpu)
         return cls(model, store, key_context)
@@ -242,27 +267,51 @@ class HFConnector:
         tokens = _token_list(token_ids)
         return block_hashes_for(tokens, self.namespace, self.block_size, self.key_context.hash_name)
 
-    def prefetch(self, input_ids: torch.Tensor | Sequence[int]) -> PrefetchTicket:
+    def block_keys(
+        self, token_ids: Sequence[int] | torch.Tensor, media: PromptMedia | None = None
+    ) -> tuple[list[BlockHash], list[bytes]]:
+        """Hashes and token fingerprints of the full blocks of ``token_ids``
+        (:func:`block_keys_for`), the blocks holding an image of ``media`` keyed by it."""
+        tokens = _token_list(token_ids)
+        extra = media.extra_keys(len(tokens) // self.block_size, self.block_size) if media is not None else None
+        return block_keys_for(tokens, self.namespace, self.block_size, self.key_context.hash_name, extra)
+
+    def prompt_media(self, media: Any, prompt_ids: list[int]) -> PromptMedia | None:
+        """The images of a prompt from its processor outputs (``None`` when none given)."""
+        return None if media is None else prompt_media(media, self.model.config, prompt_ids)
+
+    def prefetch(self, input_ids: torch.Tensor | Sequence[int], media: Any = None) -> PrefetchTicket:
         """Start loading the prompt's cached prefix now; pass the ticket to
         :meth:`before_prefill`. Raises ``ValueError`` like :meth:`before_prefill`."""
         tokens = _prompt_tokens(input_ids)
-        block_hashes = self.block_hashes(tokens)
+        prompt_media = self.prompt_media(media, tokens)
+        block_hashes, fingerprints = self.block_keys(tokens, prompt_media)
         max_blocks = (len(tokens) - 1) // self.block_size  # leave >= 1 token to prefill
-        prompt = self._prompt_info(tokens)
-        return PrefetchTicket(block_hashes, self.store.prefetch(block_hashes[:max_blocks], prompt=prompt))
+        if prompt_media is not None:
+            max_blocks = prompt_media.cut(max_blocks, self.block_size)
+        prompt = self._prompt_info(tokens, prompt_media)
+        handle = self.store.prefetch(block_hashes[:max_blocks], prompt=prompt, fingerprints=fingerprints[:max_blocks])
+        return PrefetchTicket(block_hashes, handle, fingerprints=fingerprints, media=prompt_media)
 
-    def explain(self, input_ids: torch.Tensor | Sequence[int]) -> Explanation:
+    def explain(self, input_ids: torch.Tensor | Sequence[int], *, media: Any = None) -> Explanation:
         """Where each block of the prompt would hit now and why the rest would miss (counts
-        nothing, loads nothing; kvtier.store.misses)."""
+        nothing, loads nothing; kvtier.store.misses). ``media``: as for :meth:`prefetch`."""
         tokens = _prompt_tokens(input_ids)
+        prompt_media = self.prompt_media(media, tokens)
         max_blocks = (len(tokens) - 1) // self.block_size
-        return self.store.explain(self.block_hashes(tokens)[:max_blocks], self._prompt_info(tokens))
+        if prompt_media is not None:
+            max_blocks = prompt_media.cut(max_blocks, self.block_size)
+        block_hashes, _ = self.block_keys(tokens, prompt_media)
+        return self.store.explain(block_hashes[:max_blocks], self._prompt_info(tokens, prompt_media))
 
-    def _prompt_info(self, tokens: list[int]) -> PromptInfo:
-        return PromptInfo(len(tokens), content_keys(tokens, self.block_size), self.namespace)
+    def _prompt_info(self, tokens: list[int], media: PromptMedia | None = None) -> PromptInfo:
+        """The prompt's length and content keys (the blocks holding an image keyed by it, as
+        in :meth:`block_keys`), for miss reasons."""
+        extra = media.extra_keys(len(tokens) // self.block_size, self.block_size) if media is not None else None
+        return PromptInfo(len(tokens), content_keys(tokens, self.block_size, extra), self.namespace)
 
     def before_prefill(
-        self, input_ids: torch.Tensor | Sequence[int], ticket: PrefetchTicket | None = None
+        self, input_ids: torch.Tensor | Sequence[int], ticket: PrefetchTicket | None = None, *, media: Any = None
     ) -> PrefillPlan:
         """Look up the prompt, load the hit prefix into a new ``DynamicCache``.
 
@@ -270,6 +319,8 @@ class HFConnector:
             input_ids: ``[1, prompt_len]`` or ``[prompt_len]`` token ids (int64).
             ticket: from :meth:`prefetch` for the same prompt (ignored and released if it
                 was for another prompt).
+            media: the processor outputs of a prompt with images (``pixel_values``, ...;
+                module docstring), ``None`` for text.
 
         Returns:
             a :class:`PrefillPlan`; ``plan.num_cached_tokens`` <= ``prompt_len - 1``.
@@ -280,11 +331,11 @@ class HFConnector:
         started = time.perf_counter()
         self._count_prefill()  # the previous request's, if after_request was not called
         tokens = _prompt_tokens(input_ids)
-        block_hashes = self.block_hashes(tokens)
-        if ticket is None or ticket.used or ticket.block_hashes != block_hashes:
+        block_hashes, fingerprints = self.block_keys(tokens, self.prompt_media(media, tokens))
+        if ticket is None or ticket.used or (ticket.block_hashes, ticket.fingerprints) != (block_hashes, fingerprints):
             if ticket is not None and not ticket.used:
                 ticket.cancel()  # for another prompt
-            ticket = self.prefetch(tokens)  # a ticket serves one prefill: its lease is gone after
+            ticket = self.prefetch(tokens, media)  # a ticket serves one prefill: its lease is gone after
         ticket.used = True
         with torch.no_grad():
             plan = self._load_into_cache(ticket, block_hashes)
@@ -323,20 +374,27 @@ class HFConnector:
                 values.append(v)
         loaded = handle.wait()  # a failed block ends the prefix: use only what arrived
         loaded.lease.release()  # the gathers are queued; later copies into these slots wait for them
-        num_cached = len(loaded.block_ids) * self.block_size
+        num_blocks, media = len(loaded.block_ids), ticket.media
+        if media is not None:
+            num_blocks = media.cut(num_blocks, self.block_size)  # never inside an image
+        num_cached = num_blocks * self.block_size
         cache = new_cache()
         if num_cached:
             device = self.model.device
             for layer, (k, v) in enumerate(zip(keys, values)):
                 k, v = k[:, :, :num_cached], v[:, :, :num_cached]
                 cache.update(k.to(device, non_blocking=True), v.to(device, non_blocking=True), layer)
-        return PrefillPlan(num_cached, cache, block_hashes, loaded.sources, self._cache_kwarg)
+        media_inputs = media.inputs_after(num_cached) if media is not None else {}
+        sources = loaded.sources[:num_blocks]
+        return PrefillPlan(num_cached, cache, block_hashes, sources, self._cache_kwarg, media_inputs)
 
-    def after_request(self, token_ids: torch.Tensor | Sequence[int], cache: Any) -> int:
+    def after_request(self, token_ids: torch.Tensor | Sequence[int], cache: Any, *, media: Any = None) -> int:
         """Store the new full blocks of ``token_ids`` (prompt + output, ``[num_tokens]`` or
         ``[1, num_tokens]``) whose K/V ``cache`` holds. Returns the blocks now stored for the
         request (already present ones included). Never raises into the inference loop for
-        store pressure: a full store stores fewer blocks.
+        store pressure: a full store stores fewer blocks. ``media``: the prompt's processor
+        outputs, as given to :meth:`before_prefill`; a prompt whose images cannot be keyed is
+        not stored (0).
 
         A cache that does not match the spec (a layer that kept only its sliding window's
         tail, other shapes or dtype, another cache class) is never stored from: the first
@@ -355,7 +413,12 @@ class HFConnector:
         if self.store_disabled is not None:
             return 0
         num_tokens = min(len(tokens), keys[0].shape[-2]) if keys else 0
-        block_hashes = self.block_hashes(tokens[:num_tokens])
+        prompt_ids = media.get("input_ids") if media is not None else None
+        prompt = tokens[: prompt_ids.shape[-1]] if isinstance(prompt_ids, torch.Tensor) else tokens
+        prompt_media = self.prompt_media(media, prompt)
+        if prompt_media is not None and not prompt_media.keyable:
+            return 0
+        block_hashes, fingerprints = self.block_keys(tokens[:num_tokens], prompt_media)
         if not block_hashes:
             return 0
         pool, spec = self.store.top.tensor, self.store.spec
@@ -366,7 +429,10 @@ class HFConnector:
                 scatter_from_layers(spec, keys, values, pool, ids_tensor, first_index * self.block_size)
 
         with torch.no_grad():
-            return self.store.store_with(block_hashes, write, prompt=self._prompt_info(tokens[:num_tokens]))
+            return self.store.store_with(
+                block_hashes, write, prompt=self._prompt_info(tokens[:num_tokens], prompt_media),
+                fingerprints=fingerprints,
+            )
 
     def reset(self, remote: bool = True) -> ResetResult:
         """Empty every tier of the store (:meth:`TieredStore.reset`; ``remote``: the REMOTE

@@ -3,7 +3,10 @@ verifies frames into staging buffers and stores them (format: kvtier.wire).
 
 get: the blocks are loaded (``store.load``: pinned in the top pool, DISK blocks read up) a
 chunk at a time on the registry's threads; each block's header is computed there from the
-slot (one hashing pass, no copy) and the slot's own memory is written to the socket. The
+slot (one hashing pass, no copy), with the token fingerprint the block was stored with, and
+the slot's own memory is written to the socket. The daemon checks no fingerprint for the
+client: it is a relay, and the client checks every block against its own tokens (it could
+not trust a daemon's word that it did). The
 lease is released only once the socket has taken every byte of the chunk (a transport may
 keep a reference to the memory it was given until it is sent), while the next chunk is
 already being loaded. Pins come from the namespace's budget and writes run on a clock
@@ -11,11 +14,12 @@ already being loaded. Pins come from the namespace's budget and writes run on a 
 
 put: each frame is checked before its payload is read (hash size, a consistent header, the
 namespace, the registered shape and dtype, ``--max-block-bytes``: a block over the limit is
-refused with 413 after its 96-byte header, chunked bodies too, case S1), its payload is
+refused with 413 after its 128-byte header, chunked bodies too, case S1), its payload is
 copied into a staging buffer and hashed piece by piece as it arrives, and a block whose
 checksum fails is not stored (``stored[i] = False``). A full staging buffer is stored with
 one store call on a thread while the next buffer fills. A put is acknowledged (``True``)
 only once the block is in the store; with ``--durable`` only once it is committed to DISK.
+Each block is stored with the fingerprint of its record header (what a later get sends).
 Staging comes from the daemon's budget, reads run on a clock: a body that trickles is cut
 off and its buffers freed.
 """
@@ -162,11 +166,11 @@ def _load(entry: "Namespace", block_hashes: Sequence[BlockHash]) -> tuple["LoadR
     try:
         top = store.top.tensor
         blocks = []
-        for block_id in loaded.block_ids:
+        for block_id, fingerprint in zip(loaded.block_ids, loaded.fingerprints):
             block = top[block_id]
             if block.device.type != "cpu":
                 block = block.cpu()
-            blocks.append((encode_header(entry.namespace, block), block_bytes(block)))
+            blocks.append((encode_header(entry.namespace, block, 0, fingerprint), block_bytes(block)))
         return loaded, blocks
     except BaseException:
         loaded.lease.release()
@@ -207,7 +211,7 @@ async def receive_blocks(request: web.Request, registry: "Registry", entry: "Nam
             await _payload(reader, batch.slot(), digest, len(stored))
             stored.append(False)
             if digest.intdigest() == record.checksum:
-                batch.add(block_hash, len(stored) - 1)
+                batch.add(block_hash, len(stored) - 1, record.fingerprint)
             else:
                 entry.rejected_blocks += 1
                 LOG.log(logger, logging.WARNING, "put checksum", "put: frame %d of %s failed its checksum; not "
@@ -304,6 +308,7 @@ class _Batch:
         self.buffers, self.staging, self.nbytes = buffers, staging, nbytes
         self.current = 0
         self.hashes: list[BlockHash] = []
+        self.fingerprints: list[bytes] = []
         self.indices: list[int] = []
         self.task: asyncio.Future | None = None
         self.task_indices: list[int] = []
@@ -329,9 +334,10 @@ class _Batch:
         """The next free block of the current buffer as flat bytes (``add`` keeps it)."""
         return self.buffers[self.current][len(self.hashes)].view(torch.uint8).numpy().reshape(-1)
 
-    def add(self, block_hash: BlockHash, index: int) -> None:
+    def add(self, block_hash: BlockHash, index: int, fingerprint: bytes) -> None:
         self.hashes.append(block_hash)
         self.indices.append(index)
+        self.fingerprints.append(fingerprint)
 
     async def flush(self) -> None:
         """Start storing the current buffer (after the other buffer's store is done)."""
@@ -340,9 +346,10 @@ class _Batch:
         await self.drain()
         blocks = self.buffers[self.current][: len(self.hashes)]
         self.task = asyncio.ensure_future(
-            self.registry.run_on(self.entry, _store, self.entry.store, self.hashes, blocks, self.durable))
+            self.registry.run_on(self.entry, _store, self.entry.store, self.hashes, blocks, self.fingerprints,
+                                 self.durable))
         self.task_indices = self.indices
-        self.hashes, self.indices = [], []
+        self.hashes, self.indices, self.fingerprints = [], [], []
         self.current ^= 1
 
     async def drain(self) -> None:
@@ -373,10 +380,12 @@ class _Batch:
         self.staging.give(self.nbytes)
 
 
-def _store(store: "TieredStore", block_hashes: list[BlockHash], blocks: torch.Tensor, durable: bool) -> list[bool]:
-    """On a registry thread: store, then report which blocks are in the store (``durable``:
-    committed to DISK, waiting for the write-through writes)."""
-    num_stored = store.store(block_hashes, blocks)
+def _store(
+    store: "TieredStore", block_hashes: list[BlockHash], blocks: torch.Tensor, fingerprints: list[bytes], durable: bool
+) -> list[bool]:
+    """On a registry thread: store (with the records' fingerprints), then report which blocks
+    are in the store (``durable``: committed to DISK, waiting for the write-through writes)."""
+    num_stored = store.store(block_hashes, blocks, fingerprints)
     ok = [i < num_stored for i in range(len(block_hashes))]
     if durable:
         store.wait_for_writes()

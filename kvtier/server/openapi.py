@@ -15,9 +15,10 @@ if TYPE_CHECKING:
 
 _FRAMES_DOC = (
     "A stream of frames, then one 0x00 byte: frame = hash_len u8 (16 or 32) | block_hash | block record "
-    "(96-byte header: magic 'KVTB', version u16, dtype code u8, ndim u8, shape 8 x u32, namespace 32 B, "
-    "payload_nbytes u64, seq u64, xxh3-64 checksum u64 over the header before it and the payload; then "
-    "payload_nbytes raw bytes). All integers little-endian."
+    "(128-byte header: magic 'KVTB', version u16 (2), dtype code u8, ndim u8, shape 8 x u32, namespace 32 B, "
+    "token fingerprint 32 B, payload_nbytes u64, seq u64, xxh3-64 checksum u64 over the header before it and "
+    "the payload; then payload_nbytes raw bytes). All integers little-endian. A get sends each block with the "
+    "fingerprint it was put with; the client checks it against its own tokens."
 )
 
 

@@ -14,10 +14,15 @@ other_namespace      ""               has the same tokens as a block stored unde
                                       root (model, revision, dtype, LoRA, salt, ...): ``detail``
                                       names the fields that differ where this process saw both
                                       key contexts (:func:`kvtier.hashing.known_context`)
-failed_verification  where it failed  failed a check on load (``detail``: the load-failure
-                                      reason, e.g. ``corrupt``, ``token_mismatch``) and was
-                                      dropped; also for its later lookups while remembered
-                                      (every failed load is remembered, by its own reason)
+token_mismatch       where it is      is held under this block hash, but computed from other
+                                      tokens than the prompt's (its token fingerprint differs:
+                                      a hash collision, a forged or misplaced record); never
+                                      served, kept for its own tokens; also for its later
+                                      lookups while remembered
+failed_verification  where it failed  failed another check on load (``detail``: the load-
+                                      failure reason, e.g. ``corrupt``) and was dropped; also
+                                      for its later lookups while remembered (every failed
+                                      load is remembered, by its own reason)
 remote_unavailable   REMOTE           could not be asked of the REMOTE tier or read from it
                                       (down, timed out, paused after a failure)
 load_failed          where it was     its load failed for another reason (``detail``: missing,
@@ -53,6 +58,7 @@ from kvtier.types import BlockHash, Medium
 NEVER_STORED = "never_stored"
 EVICTED = "evicted"
 OTHER_NAMESPACE = "other_namespace"
+TOKEN_MISMATCH = "token_mismatch"
 FAILED_VERIFICATION = "failed_verification"
 REMOTE_UNAVAILABLE = "remote_unavailable"
 LOAD_FAILED = "load_failed"
@@ -65,6 +71,7 @@ REASONS: dict[str, str] = {
     NEVER_STORED: "never stored",
     EVICTED: "evicted",
     OTHER_NAMESPACE: "stored under another namespace",
+    TOKEN_MISMATCH: "held, but computed from other tokens",
     FAILED_VERIFICATION: "failed verification",
     REMOTE_UNAVAILABLE: "REMOTE unavailable or timed out",
     LOAD_FAILED: "load failed",
@@ -92,6 +99,8 @@ def load_failure_reason(tier: str, failure: str) -> str:
     reason string, e.g. ``"corrupt"``) from ``tier``."""
     if failure in TRANSPORT_REASONS:
         return REMOTE_UNAVAILABLE if tier == str(Medium.REMOTE) and failure != "missing" else LOAD_FAILED
+    if failure == TOKEN_MISMATCH:
+        return TOKEN_MISMATCH
     return FAILED_VERIFICATION
 
 

@@ -23,7 +23,7 @@ from kvtier.store.residency import Residency
 from kvtier.store.results import StoreStats
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.pool import BlockPool
-from kvtier.types import BlockHash, KVSpec, Medium
+from kvtier.types import BlockHash, Fingerprint, KVSpec, Medium
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,13 @@ class Placement:
         if self.disk is not None and block_hash in self.disk:
             return Medium.DISK
         return None
+
+    def fingerprint_of(self, block_hash: BlockHash, medium: Medium) -> Fingerprint | None:
+        """The token fingerprint ``medium`` (a pool or DISK) keeps with ``block_hash``."""
+        if medium is Medium.DISK:
+            return self.disk.fingerprint_of(block_hash) if self.disk is not None else None
+        pool = self.pool(medium)
+        return pool.fingerprint(block_hash) if pool is not None else None
 
     def local_prefix(self, block_hashes: Sequence[BlockHash]) -> list[Medium]:
         """Medium of each leading block held by some local tier."""
@@ -208,7 +215,7 @@ class Placement:
             self._residency.unpin(todo)
         copied = []
         for h in todo:
-            below_id = below.allocate(h)
+            below_id = below.allocate(h, pool.fingerprint(h))
             if below_id is None:
                 break
             below.tensor[below_id].copy_(pool.tensor[pool.block_id(h)])
@@ -238,8 +245,10 @@ class Placement:
         for start in range(0, len(block_hashes), batch):
             puts = []
             for h in block_hashes[start : start + batch]:
-                block = pool.tensor[pool.block_id(h)]
-                puts.append((h, self.namespace, block if block.device.type == "cpu" else block.cpu()))
+                block_id = pool.block_id(h)
+                block = pool.tensor[block_id]
+                block = block if block.device.type == "cpu" else block.cpu()
+                puts.append((h, self.namespace, block, pool.fingerprint_at(block_id)))
             try:
                 ok = self.disk.write_batch(puts, deletes=victims if start == 0 else ())
             except Exception as exc:  # never into the inference loop: the blocks are just not on DISK
@@ -251,7 +260,7 @@ class Placement:
             self._stats.store_failures[reason] += len(ok) - sum(ok)
             if start == 0:
                 self.events.removed(Medium.DISK, [h for h in victims if h not in self.disk])
-            self.events.stored(Medium.DISK, [h for (h, _, _), done in zip(puts, ok) if done])
+            self.events.stored(Medium.DISK, [put[0] for put, done in zip(puts, ok) if done])
         self._stats.evicted_blocks[Medium.DISK] += len(victims)
 
     def flush_to_disk(self) -> None:

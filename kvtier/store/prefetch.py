@@ -4,10 +4,13 @@ work, then hand it over as a :class:`~kvtier.store.results.LoadResult`.
 Steps (all index changes under the store's lock; the copies outside it):
 
 1. :meth:`Prefetcher.plan` takes the chain the lookup walked (:mod:`kvtier.store.lookup`),
-   pins it (a lease), reserves a top-pool slot for every block not already there (pending:
+   checks the token fingerprint each local tier keeps with a block against the request's
+   (a block of other tokens ends the chain: a miss counted as ``token_mismatch``), pins it
+   (a lease), reserves a top-pool slot for every block not already there (pending:
    invisible to lookups, never evicted) and, for a DISK or REMOTE block when the top pool is
    on CUDA, a CPU slot to stage it in; then submits DISK and REMOTE reads, split over the I/O
-   threads, and one CPU->GPU copy job for blocks already in the CPU slab.
+   threads (each read checks its record's fingerprint again), and one CPU->GPU copy job for
+   blocks already in the CPU slab.
 2. :meth:`PrefetchHandle.wait` waits for the reads, sends the staged blocks CPU->GPU, waits
    for the copies, then publishes every block that arrived and frees the slots of those that
    did not (a corrupt DISK record is dropped and counted). The result is the prefix up to the
@@ -37,7 +40,7 @@ from kvtier.store.placement import Placement
 from kvtier.store.residency import Residency
 from kvtier.store.results import Lease, LoadResult, StoreStats
 from kvtier.transfer.engine import JobResult, TransferEngine, TransferJob
-from kvtier.types import BlockHash, Medium
+from kvtier.types import NO_FINGERPRINT, BlockHash, Fingerprint, Medium
 
 
 @dataclass(slots=True)
@@ -47,6 +50,8 @@ class BlockPlan:
     block_hash: BlockHash
     source: Medium
     top_id: int
+    fingerprint: Fingerprint = NO_FINGERPRINT  # kept with its slot (checked, or what the source holds)
+    expected: Fingerprint | None = None  # the request's, checked by DISK/REMOTE reads
     staging_id: int | None = None  # CPU slot for DISK/REMOTE -> CPU -> GPU
     ok: bool = True
     reason: str | None = None
@@ -188,36 +193,39 @@ class Prefetcher:
         self._num_io_threads, self._observe = num_io_threads, observe
 
     def plan(
-        self, block_hashes: Sequence[BlockHash], media: Sequence[Medium], count: bool = False,
-        namespace: bytes = b"", walked_generation: int | None = None,
+        self, block_hashes: Sequence[BlockHash], media: Sequence[Medium],
+        fingerprints: Sequence[Fingerprint] | None = None, count: bool = False, namespace: bytes = b"",
+        walked_generation: int | None = None,
     ) -> PrefetchHandle:
         """Step 1 (the caller holds the store's lock). ``media``: what the lookup walk found
         for the leading blocks (a REMOTE block was found outside the lock); each block's
-        medium is looked up again here, since the lock was let go in between. ``count``:
-        the walk was counted, so the blocks it found that will not load are counted as
-        misses (with ``namespace``, the store's, for their reasons). REMOTE blocks found by
-        a walk of an older generation (``walked_generation``: a reset came in between, and
-        may be emptying REMOTE) are not trusted."""
+        medium is looked up again here, since the lock was let go in between.
+        ``fingerprints``: the request's (``None``: not checked). ``count``: the walk was
+        counted, so the blocks it found that will not load are counted as misses (with
+        ``namespace``, the store's, for their reasons; a block of other tokens as
+        ``token_mismatch``). REMOTE blocks found by a walk of an older generation
+        (``walked_generation``: a reset came in between, and may be emptying REMOTE) are not
+        trusted."""
         remote_ok = walked_generation is None or self._residency.is_current(walked_generation)
-        walked = self._chain(block_hashes, media, remote_ok)
+        walked = self._chain(block_hashes, media, fingerprints, remote_ok)
         unserved: list[Miss] = []
-        if count and len(walked) < len(media):  # gone (or in flight elsewhere) since the walk
+        if count and len(walked) < len(media):  # gone, in flight elsewhere or of other tokens
             unserved += misses.classify(self.placement, self._memory, block_hashes[: len(media)], len(walked),
                                         False, None, namespace)
         # A load never holds more than the top pool: pin only the head that fits, so that the
         # chain's own tail (resident in the top pool after a long store) can make room for it.
         top = self.placement.top
         chain = walked[: top.num_blocks]
-        lease = self._residency.lease([h for h, _ in chain])
-        self.placement.make_room(0, sum(1 for _, m in chain if m is not top.medium))
+        lease = self._residency.lease([b.block_hash for b in chain])
+        self.placement.make_room(0, sum(1 for b in chain if b.source is not top.medium))
         plans = self._reserve(chain)
         if len(plans) < len(chain):
             shorter = self._residency.lease([b.block_hash for b in plans])
             lease.release()
             lease = shorter
         if count:
-            unserved = [(misses.NO_FREE_SLOT, str(m), "") for _, m in chain[len(plans) :]] + [
-                (misses.BEYOND_TOP_CAPACITY, str(m), "") for _, m in walked[top.num_blocks :]] + unserved
+            unserved = [(misses.NO_FREE_SLOT, str(b.source), "") for b in chain[len(plans) :]] + [
+                (misses.BEYOND_TOP_CAPACITY, str(b.source), "") for b in walked[top.num_blocks :]] + unserved
         handle = PrefetchHandle(self, plans, lease, self._residency.generation, count=count, unserved=unserved)
         self._submit(handle)
         # Dropped without wait() (the request was cancelled): wait its jobs and free its slots.
@@ -228,50 +236,65 @@ class Prefetcher:
         return handle
 
     def _chain(
-        self, block_hashes: Sequence[BlockHash], media: Sequence[Medium], remote_ok: bool = True
-    ) -> list[tuple[BlockHash, Medium]]:
+        self, block_hashes: Sequence[BlockHash], media: Sequence[Medium], fingerprints: Sequence[Fingerprint] | None,
+        remote_ok: bool = True,
+    ) -> list[BlockPlan]:
         """The walked prefix as it stands now: ends at a block gone since the walk, at one
-        another request is bringing into the top pool, or at a repeat."""
-        top = self.placement.top
-        chain: list[tuple[BlockHash, Medium]] = []
+        another request is bringing into the top pool, at a repeat, or at a block a local
+        tier keeps with another fingerprint than the request's (counted ``token_mismatch``).
+        The plans' slots are not reserved yet (``top_id`` -1)."""
+        top, placement = self.placement.top, self.placement
+        chain: list[BlockPlan] = []
         seen: set[BlockHash] = set()
-        for h, walked in zip(block_hashes, media):
-            medium = self.placement.medium_of(h)
+        expected_all = fingerprints if fingerprints is not None else [None] * len(block_hashes)
+        for h, walked, expected in zip(block_hashes, media, expected_all):
+            medium = placement.medium_of(h)
             if medium is None and walked is Medium.REMOTE and remote_ok:
                 medium = Medium.REMOTE
             if medium is None or self._residency.is_pending(top.medium, h) or h in seen:
                 break
+            if medium is Medium.REMOTE:  # checked by the read; an unchecked one is of unknown tokens
+                stored = expected if expected is not None else NO_FINGERPRINT
+            else:
+                stored = placement.fingerprint_of(h, medium)
+                if expected is not None and stored != expected:
+                    self._stats.load_failures[misses.TOKEN_MISMATCH] += 1
+                    self._stats.load_failures_by_tier[(str(medium), misses.TOKEN_MISMATCH)] += 1
+                    self._memory.note_failed(h, str(medium), misses.TOKEN_MISMATCH)  # its miss reason
+                    break
             seen.add(h)
-            chain.append((h, medium))
+            chain.append(BlockPlan(h, medium, -1, stored, expected))
         return chain
 
-    def _reserve(self, chain: list[tuple[BlockHash, Medium]]) -> list[BlockPlan]:
+    def _reserve(self, chain: list[BlockPlan]) -> list[BlockPlan]:
         """Top-pool slots (and CPU staging slots) for ``chain``, pending; stops at the first
         block that gets none."""
         placement, residency = self.placement, self._residency
         top, cpu = placement.top, placement.pool(Medium.CPU)
         stage_on_cpu = top.tensor.device.type != "cpu"
         plans: list[BlockPlan] = []
-        for h, medium in chain:
+        for b in chain:
+            h, medium = b.block_hash, b.source
             if medium is top.medium:
-                plans.append(BlockPlan(h, medium, top.block_id(h)))
+                b.top_id = top.block_id(h)
+                plans.append(b)
                 continue
-            staging_id = None
             if medium in (Medium.DISK, Medium.REMOTE) and stage_on_cpu:
                 if cpu is None:
                     break  # DISK and REMOTE reads land in host memory; without a CPU slab, stop here
                 placement.make_room(placement.pools.index(cpu), 1)
-                staging_id = cpu.allocate(h)
-                if staging_id is None:
+                b.staging_id = cpu.allocate(h, b.fingerprint)
+                if b.staging_id is None:
                     break
                 residency.add_pending(Medium.CPU, h)
-            top_id = top.allocate(h)
+            top_id = top.allocate(h, b.fingerprint)
             if top_id is None:
-                if staging_id is not None:
+                if b.staging_id is not None:
                     residency.free_pending(cpu, [h])
                 break
             residency.add_pending(top.medium, h)
-            plans.append(BlockPlan(h, medium, top_id, staging_id))
+            b.top_id = top_id
+            plans.append(b)
         return plans
 
     def _submit(self, handle: PrefetchHandle) -> None:
@@ -284,7 +307,8 @@ class Prefetcher:
             num_jobs = min(len(reads), self._num_io_threads)
             for part in (reads[k::num_jobs] for k in range(num_jobs)):
                 ids = [plans[i].staging_id if dst is not top.medium else plans[i].top_id for i in part]
-                job = TransferJob(source, dst, [plans[i].block_hash for i in part], dst_ids=ids)
+                job = TransferJob(source, dst, [plans[i].block_hash for i in part], dst_ids=ids,
+                                  fingerprints=[plans[i].expected for i in part])
                 handle.read_jobs[self.engine.submit(job)] = part
         copies = [i for i, b in enumerate(plans) if b.source not in (top.medium, Medium.DISK, Medium.REMOTE)]
         if copies:
@@ -332,7 +356,8 @@ class Prefetcher:
             lease = self._residency.lease(hashes)
             handle.lease.release()
             self._observe("load", handle.submitted_at)
-            return LoadResult([b.top_id for b in loaded], [b.source for b in loaded], lease)
+            return LoadResult([b.top_id for b in loaded], [b.source for b in loaded], lease,
+                              [b.fingerprint for b in loaded])
 
     def discard(self, handle: PrefetchHandle) -> LoadResult:
         """A handle of an older generation (a reset came in between, or a ``fork()``): free

@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-from kvtier.types import BlockHash, Medium
+from kvtier.types import BlockHash, Fingerprint, Medium
 
 
 class Pins(Protocol):
@@ -94,11 +94,15 @@ class LoadResult:
             evictable slot ends the prefix).
         sources: the medium each block came from (``GPU`` when it was already there).
         lease: pins on those blocks; release it once they are copied out.
+        fingerprints: the token fingerprint each block carries (the caller's, when it passed
+            fingerprints: every block was checked against them; else what the tiers hold,
+            ``NO_FINGERPRINT`` for a block read from REMOTE unchecked).
     """
 
     block_ids: list[int]
     sources: list[Medium]
     lease: Lease
+    fingerprints: list[Fingerprint] = field(default_factory=list)
 
 
 @dataclass
@@ -154,7 +158,7 @@ class StoreStats:
     stored_blocks: Counter = field(default_factory=Counter)  # by medium
     evicted_blocks: Counter = field(default_factory=Counter)  # by medium
     spilled_blocks: Counter = field(default_factory=Counter)  # by destination medium
-    load_failures: Counter = field(default_factory=Counter)  # by reason
+    load_failures: Counter = field(default_factory=Counter)  # by reason ("token_mismatch": a block of other tokens)
     load_failures_by_tier: Counter = field(default_factory=Counter)  # the same events by (source medium, reason)
     store_failures: Counter = field(default_factory=Counter)  # by reason (DISK full, I/O error)
     loaded_blocks: Counter = field(default_factory=Counter)  # by source medium

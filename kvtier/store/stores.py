@@ -23,7 +23,7 @@ from kvtier.store.residency import Residency
 from kvtier.store.results import StoreHandle, StoreStats
 from kvtier.store.trace import StoreTrace
 from kvtier.store.writes import BackgroundWrites
-from kvtier.types import BlockHash
+from kvtier.types import NO_FINGERPRINT, BlockHash, Fingerprint
 
 WriteFn = Callable[[list[int], list[int]], None]
 """``write(indices, block_ids)``: copy request blocks ``indices`` into ``top.tensor[block_ids]``."""
@@ -51,9 +51,13 @@ class StorePath:
         self.memory: MissMemory | None = None
         """Forgets the failed verification of blocks stored again (kvtier.store.misses)."""
 
-    def prepare(self, block_hashes: Sequence[BlockHash]) -> StoreHandle:
-        """Top-pool slots for the blocks of ``block_hashes`` not stored yet; stops at the
-        first block that gets no slot or that another request is writing."""
+    def prepare(
+        self, block_hashes: Sequence[BlockHash], fingerprints: Sequence[Fingerprint] | None = None
+    ) -> StoreHandle:
+        """Top-pool slots for the blocks of ``block_hashes`` not stored yet, kept with their
+        ``fingerprints`` (default ``NO_FINGERPRINT``); stops at the first block that gets no
+        slot or that another request is writing. A block already stored keeps the
+        fingerprint it has (a load of other tokens misses it, and it ages out)."""
         residency = self._residency
         with residency.lock:
             self._check_open()
@@ -69,7 +73,7 @@ class StorePath:
                 if residency.is_pending(top.medium, h):
                     break
                 if h not in top:
-                    block_id = top.allocate(h)
+                    block_id = top.allocate(h, fingerprints[i] if fingerprints is not None else NO_FINGERPRINT)
                     if block_id is None:
                         break
                     residency.add_pending(top.medium, h)
@@ -112,16 +116,18 @@ class StorePath:
             self._writes.put_remote(handle.block_hashes)
             handle.lease.release()
 
-    def store_with(self, block_hashes: Sequence[BlockHash], write: WriteFn) -> int:
-        """Store a request's blocks in chunks of at most half the top pool; returns the
-        leading blocks of the request now stored (an exception in ``write`` frees the
-        chunk's slots and propagates)."""
+    def store_with(
+        self, block_hashes: Sequence[BlockHash], write: WriteFn, fingerprints: Sequence[Fingerprint] | None = None
+    ) -> int:
+        """Store a request's blocks (with their ``fingerprints``) in chunks of at most half
+        the top pool; returns the leading blocks of the request now stored (an exception in
+        ``write`` frees the chunk's slots and propagates)."""
         chunk = max(1, self._placement.top.num_blocks // 2)
         stored = 0
         new: set[BlockHash] = set()
         protected: list[BlockHash] = []
         try:
-            stored = self._store_chunks(block_hashes, write, chunk, new, protected)
+            stored = self._store_chunks(block_hashes, write, chunk, new, protected, fingerprints)
         finally:
             self._residency.unprotect(protected)
         with self._residency.lock:
@@ -133,13 +139,15 @@ class StorePath:
             return next((i for i, h in enumerate(block_hashes[:stored]) if medium_of(h) is None), stored)
 
     def _store_chunks(
-        self, block_hashes: Sequence[BlockHash], write: WriteFn, chunk: int, new: set, protected: list
+        self, block_hashes: Sequence[BlockHash], write: WriteFn, chunk: int, new: set, protected: list,
+        fingerprints: Sequence[Fingerprint] | None,
     ) -> int:
         """store_with's loop: each chunk stored is protected from being dropped while the
         rest of the request goes in."""
         stored = 0
         for start in range(0, len(block_hashes), chunk):
-            handle = self.prepare(block_hashes[start : start + chunk])
+            fps = None if fingerprints is None else fingerprints[start : start + chunk]
+            handle = self.prepare(block_hashes[start : start + chunk], fps)
             handle.parent = block_hashes[start - 1] if start else None
             ok = False
             try:

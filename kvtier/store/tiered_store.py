@@ -4,18 +4,29 @@ Protocol (the order every caller follows; vLLM kv_offload/abstract.py names the 
 
     lookup(block_hashes, pin=?)   -> LookupResult     longest cached prefix; no side effects
                                                       beyond an optional pin (a Lease)
-    prefetch(block_hashes)        -> PrefetchHandle   pins the hit prefix and starts moving it
+    prefetch(block_hashes, fingerprints=?)            checks each block's token fingerprint,
+                                  -> PrefetchHandle   pins the hit prefix and starts moving it
                                                       into the top pool (DISK reads on I/O
                                                       threads, CPU->GPU on a CUDA side stream)
     handle.wait() / load(...)     -> LoadResult       the prefix now in top.tensor[block_ids],
                                                       pinned; the caller gathers, then
                                                       releases the lease
-    prepare_store(block_hashes)   -> StoreHandle      top-pool slots for new blocks, pinned
-                                                      and invisible to lookups
+    prepare_store(block_hashes, fingerprints=?)       top-pool slots for new blocks (kept
+                                  -> StoreHandle      with their fingerprints), pinned and
+                                                      invisible to lookups
     (caller writes top.tensor[handle.block_ids])
     complete_store(handle, ok)                        publishes (or frees) them
     store(block_hashes, blocks) / store_with(block_hashes, write)   both store steps, chunked
     reset()                                           every tier empty (kvtier.store.reset)
+
+Verified hits: a block hash decides where to look, never alone what is served. Every tier
+keeps with each block the fingerprint of the tokens it was computed from
+(:func:`kvtier.hashing.block_keys_for`); a caller that knows the request's tokens (every
+connector) passes their fingerprints to ``prefetch``/``load`` and ``store``/``store_with``/
+``prepare_store``, and a block of other tokens (a hash collision, a forged or misplaced
+record) is a miss counted in ``stats.load_failures["token_mismatch"]``, never served, never
+an exception. Without fingerprints a store keeps ``NO_FINGERPRINT`` and a load checks nothing
+and reports what each block carries (``LoadResult.fingerprints``): the daemon's relay path.
 
 The work is done by the modules below this one (listed in :mod:`kvtier.store`); none
 reaches into another's private names. Tiers are named by where they live: a GPU pool exists
@@ -37,7 +48,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from kvtier.checks import check_block_hashes, check_namespace
+from kvtier.checks import check_block_hashes, check_fingerprints, check_namespace
 from kvtier.config import StoreConfig
 from kvtier.store import misses
 from kvtier.store.events import AllBlocksCleared, EventBatch, KVEventPublisher
@@ -58,7 +69,7 @@ from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.pool import BlockPool
 from kvtier.transfer.engine import TransferEngine
 from kvtier.transfer.handlers import register_handlers, slot_runs
-from kvtier.types import BlockHash, KVSpec, Medium
+from kvtier.types import BlockHash, Fingerprint, KVSpec, Medium
 
 
 class TieredStore:
@@ -211,28 +222,42 @@ class TieredStore:
 
     def prefetch(
         self, block_hashes: Sequence[BlockHash], request_id: str | None = None, count: bool = True,
-        prompt: PromptInfo | None = None,
+        prompt: PromptInfo | None = None, fingerprints: Sequence[Fingerprint] | None = None,
     ) -> PrefetchHandle:
         """Pin the cached prefix of ``block_hashes`` and start bringing it into the top pool
         (REMOTE blocks included: asked for first, outside the lock). Returns at once;
         ``handle.wait()`` gives the :class:`LoadResult`. Counted as a lookup exactly as
         :meth:`lookup` counts it, and the blocks found but not loaded (beyond the top pool,
-        failed, ...) as misses on ``wait``; ``request_id``, ``prompt``: see :meth:`lookup`;
-        ``count=False``: not a lookup (the daemon's get, whose lookup was counted already)."""
+        failed, of other tokens, ...) as misses on ``wait``; ``request_id``, ``prompt``: see
+        :meth:`lookup`; ``count=False``: not a lookup (the daemon's get, whose lookup was counted
+        already).
+
+        Args:
+            fingerprints: the request's token fingerprint of each block
+                (:func:`kvtier.hashing.block_keys_for`); the prefix ends at the first block
+                a tier holds with another (a miss counted as ``token_mismatch``). ``None``:
+                not checked (the daemon's relay, tests).
+
+        Raises:
+            ValueError: bad block hashes, or fingerprints that are not one 32-byte value per hash.
+        """
         _check_hashes(block_hashes)
+        fingerprints = check_fingerprints(fingerprints, len(block_hashes))
         walk = self._lookups.walk(block_hashes, request_id, count=count, prompt=prompt, load=True)
         with self.residency.lock:
             self._check_open()
             self._writes.reap()
-            return self._prefetcher.plan(block_hashes, walk.media, walk.counted, self.namespace, walk.generation)
+            return self._prefetcher.plan(block_hashes, walk.media, fingerprints, walk.counted, self.namespace,
+                                         walk.generation)
 
     def load(
         self, block_hashes: Sequence[BlockHash], request_id: str | None = None, count: bool = True,
-        prompt: PromptInfo | None = None,
+        prompt: PromptInfo | None = None, fingerprints: Sequence[Fingerprint] | None = None,
     ) -> LoadResult:
-        """``prefetch(block_hashes).wait()``: the leading cached blocks in the top pool,
-        pinned. Shorter than asked when a block is missing, corrupt or finds no slot."""
-        return self.prefetch(block_hashes, request_id, count, prompt).wait()
+        """``prefetch(block_hashes, ..., fingerprints).wait()``: the leading cached blocks in
+        the top pool, pinned. Shorter than asked when a block is missing, corrupt, of other
+        tokens or finds no slot."""
+        return self.prefetch(block_hashes, request_id, count, prompt, fingerprints).wait()
 
     def explain(self, block_hashes: Sequence[BlockHash], prompt: PromptInfo | None = None) -> Explanation:
         """Where each block of ``block_hashes`` would hit and why the rest would miss, as a
@@ -253,25 +278,31 @@ class TieredStore:
             return self.events.snapshot(self.placement.held_blocks())
 
     # -- stores ------------------------------------------------------------------------------
-    def prepare_store(self, block_hashes: Sequence[BlockHash]) -> StoreHandle:
+    def prepare_store(
+        self, block_hashes: Sequence[BlockHash], fingerprints: Sequence[Fingerprint] | None = None
+    ) -> StoreHandle:
         """Reserve top-pool slots for the blocks of ``block_hashes`` not stored yet (pinned,
-        invisible to lookups); write ``top.tensor[handle.block_ids]``, then
+        invisible to lookups), each kept with its token fingerprint (``fingerprints``;
+        default ``NO_FINGERPRINT``); write ``top.tensor[handle.block_ids]``, then
         :meth:`complete_store`. Stops at the first block that gets no slot (every candidate
         victim pinned) or that another request is writing: blocks after a gap could never be
         hit through the chain."""
         _check_hashes(block_hashes)
-        return self._stores.prepare(block_hashes)
+        return self._stores.prepare(block_hashes, check_fingerprints(fingerprints, len(block_hashes)))
 
     def complete_store(self, handle: StoreHandle, success: bool = True) -> None:
         """Publish the written blocks (or free their slots when ``success`` is False)."""
         self._stores.complete(handle, success)
 
-    def store(self, block_hashes: Sequence[BlockHash], blocks: torch.Tensor) -> int:
+    def store(
+        self, block_hashes: Sequence[BlockHash], blocks: torch.Tensor, fingerprints: Sequence[Fingerprint] | None = None
+    ) -> int:
         """Store ``blocks`` (``[len(block_hashes), *spec.block_shape]``, spec dtype, any
-        device) under ``block_hashes``. Returns the number of leading blocks now stored.
+        device) under ``block_hashes``, each with its token fingerprint (``fingerprints``;
+        default ``NO_FINGERPRINT``). Returns the number of leading blocks now stored.
 
         Raises:
-            ValueError: ``blocks`` has the wrong shape or dtype.
+            ValueError: ``blocks`` has the wrong shape or dtype; bad fingerprints.
         """
         self._check_block_tensor(blocks, len(block_hashes))
 
@@ -282,11 +313,11 @@ class TieredStore:
             for i0, b0, n in slot_runs(list(zip(indices, block_ids))):
                 top[b0 : b0 + n].copy_(blocks[i0 : i0 + n])  # synchronous: the caller may reuse `blocks`
 
-        return self.store_with(block_hashes, write)
+        return self.store_with(block_hashes, write, fingerprints=fingerprints)
 
     def store_with(
         self, block_hashes: Sequence[BlockHash], write: Callable[[list[int], list[int]], None],
-        prompt: PromptInfo | None = None,
+        prompt: PromptInfo | None = None, fingerprints: Sequence[Fingerprint] | None = None,
     ) -> int:
         """Store a request's blocks in chunks of at most half the top pool, so that a request
         larger than the top pool still goes through it (earlier chunks spill down, tail
@@ -298,13 +329,18 @@ class TieredStore:
                 ``top.tensor[block_ids]``; an exception frees the chunk's slots and propagates.
             prompt: its content keys, when given, are remembered to explain later misses
                 under another namespace (kvtier.store.misses).
+            fingerprints: each block's token fingerprint (default ``NO_FINGERPRINT``).
 
         Returns:
             leading blocks of the request now stored.
+
+        Raises:
+            ValueError: bad block hashes or fingerprints.
         """
         _check_hashes(block_hashes)
+        fingerprints = check_fingerprints(fingerprints, len(block_hashes))
         t0 = time.perf_counter()
-        stored = self._stores.store_with(block_hashes, write)
+        stored = self._stores.store_with(block_hashes, write, fingerprints)
         if prompt is not None:
             with self.residency.lock:
                 self.misses.note_stored(block_hashes[:stored], prompt, self.namespace)

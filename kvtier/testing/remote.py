@@ -16,10 +16,10 @@ from typing import Iterator, Sequence
 
 import torch
 
-from kvtier.checks import check_block_hashes, check_namespace
+from kvtier.checks import check_block_hashes, check_fingerprints, check_namespace, expected_fingerprints
 from kvtier.records import HEADER_NBYTES, ReadStatus, decode_into, encode_record
 from kvtier.testing.faults import FaultPlan, Hit, flip_bit, truncate
-from kvtier.types import BlockHash, KVSpec
+from kvtier.types import NO_FINGERPRINT, BlockHash, KVSpec
 
 
 class MemoryRemote:
@@ -74,16 +74,18 @@ class MemoryRemote:
             return n
 
     def get_into(
-        self, namespace: bytes, block_hashes: Sequence[BlockHash], outs: Sequence[torch.Tensor]
+        self, namespace: bytes, block_hashes: Sequence[BlockHash], outs: Sequence[torch.Tensor],
+        fingerprints: Sequence[bytes | None] | None = None,
     ) -> list[ReadStatus]:
         check_namespace(namespace)
         check_block_hashes(block_hashes)
+        expected = expected_fingerprints(fingerprints, len(block_hashes))
         if len(outs) != len(block_hashes):
             raise ValueError(f"expected one out tensor per block hash, got {len(outs)} for {len(block_hashes)}")
         self.calls["get"] += 1
         statuses: list[ReadStatus] = []
-        for h, out in zip(block_hashes, outs):
-            status = self._get_one(namespace, bytes(h), out)
+        for h, out, fingerprint in zip(block_hashes, outs, expected):
+            status = self._get_one(namespace, bytes(h), out, fingerprint)
             statuses.append(status)
             if status is not ReadStatus.OK:
                 rest = ReadStatus.UNAVAILABLE if status is ReadStatus.UNAVAILABLE else ReadStatus.MISSING
@@ -91,17 +93,21 @@ class MemoryRemote:
                 break
         return statuses
 
-    def put(self, namespace: bytes, block_hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor]) -> list[bool]:
+    def put(
+        self, namespace: bytes, block_hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor],
+        fingerprints: Sequence[bytes] | None = None,
+    ) -> list[bool]:
         check_namespace(namespace)
         check_block_hashes(block_hashes)
+        fps = check_fingerprints(fingerprints, len(block_hashes)) or [NO_FINGERPRINT] * len(block_hashes)
         if len(blocks) != len(block_hashes):
             raise ValueError(f"expected one block per block hash, got {len(blocks)} for {len(block_hashes)}")
         self.calls["put"] += 1
         ok: list[bool] = []
-        for h, block in zip(block_hashes, blocks):
+        for h, block, fingerprint in zip(block_hashes, blocks, fps):
             if not isinstance(block, torch.Tensor) or block.device.type != "cpu" or not block.is_contiguous():
                 raise TypeError(f"expected contiguous CPU tensors, got {type(block).__name__}")
-            stored, go_on = self._put_one(namespace, bytes(h), block)
+            stored, go_on = self._put_one(namespace, bytes(h), block, fingerprint)
             ok.append(stored)
             if not go_on:
                 ok += [False] * (len(block_hashes) - len(ok))
@@ -137,7 +143,7 @@ class MemoryRemote:
             return ReadStatus.MISSING
         return None
 
-    def _get_one(self, namespace: bytes, h: bytes, out: torch.Tensor) -> ReadStatus:
+    def _get_one(self, namespace: bytes, h: bytes, out: torch.Tensor, fingerprint: bytes | None) -> ReadStatus:
         hit = self.plan.pick("get", h)
         if hit is not None:
             status = self._fault_ends_call(hit, h)
@@ -151,12 +157,12 @@ class MemoryRemote:
             return ReadStatus.MISSING
         if hit is not None and hit.fault.kind in ("corrupt", "truncate"):
             value = flip_bit(value, hit.rng) if hit.fault.kind == "corrupt" else truncate(value, hit.rng)
-        status = decode_into(memoryview(value), namespace, out)
-        if status is ReadStatus.CORRUPT:
-            self.errors["corrupt"] += 1
+        status = decode_into(memoryview(value), namespace, out, fingerprint)
+        if status is not ReadStatus.OK:
+            self.errors[status.value] += 1
         return status
 
-    def _put_one(self, namespace: bytes, h: bytes, block: torch.Tensor) -> tuple[bool, bool]:
+    def _put_one(self, namespace: bytes, h: bytes, block: torch.Tensor, fingerprint: bytes) -> tuple[bool, bool]:
         """``(stored, go on with the next block)``."""
         hit = self.plan.pick("put", h)
         kind = None
@@ -168,7 +174,7 @@ class MemoryRemote:
                 return False, True
             if self._fault_ends_call(hit, h) is not None:
                 return False, False
-        value = bytes(encode_record(namespace, block.contiguous(), 0).data)
+        value = bytes(encode_record(namespace, block.contiguous(), 0, fingerprint).data)
         if kind == "corrupt":
             value = flip_bit(value, hit.rng, start=HEADER_NBYTES)
         elif kind == "truncate":
@@ -247,16 +253,16 @@ def _remote_wrappers(backend, plan: FaultPlan) -> dict:
     def lookup(namespace, block_hashes):
         return 0 if call_fault("lookup") else real_lookup(namespace, block_hashes)
 
-    def get_into(namespace, block_hashes, outs):
+    def get_into(namespace, block_hashes, outs, fingerprints=None):
         hit = call_fault("get")
         if hit is None:
-            return real_get(namespace, block_hashes, outs)
+            return real_get(namespace, block_hashes, outs, fingerprints)
         by_kind = {"unavailable": ReadStatus.UNAVAILABLE, "timeout": ReadStatus.TIMEOUT}
         status = by_kind.get(hit.fault.kind, ReadStatus.MISSING)
         rest = ReadStatus.UNAVAILABLE if status is ReadStatus.UNAVAILABLE else ReadStatus.MISSING
         return [status] + [rest] * (len(block_hashes) - 1) if block_hashes else []
 
-    def put(namespace, block_hashes, blocks):
-        return [False] * len(block_hashes) if call_fault("put") else real_put(namespace, block_hashes, blocks)
+    def put(namespace, block_hashes, blocks, fingerprints=None):
+        return [False] * len(block_hashes) if call_fault("put") else real_put(namespace, block_hashes, blocks, fingerprints)
 
     return {"lookup": lookup, "get_into": get_into, "put": put}

@@ -3,8 +3,10 @@
 (HTTP client of a ``kvtier serve`` daemon) and :class:`kvtier.tiers.redis.RedisTier`
 (Redis or Redis Cluster).
 
-Values are block records (:mod:`kvtier.records`: header + checksum + payload), keyed by
-``(namespace, block_hash)``; every read is verified before a byte is handed over.
+Values are block records (:mod:`kvtier.records`: header + checksum + payload, with the
+block's token fingerprint in the header), keyed by ``(namespace, block_hash)``; every read
+is verified before a byte is handed over, by the reading client itself: against the
+caller's expected fingerprints too (a REMOTE server cannot be trusted to check them).
 
 Failure model (the store relies on it): a backend never raises from ``lookup``, ``get_into``
 or ``put`` for a remote-side problem (down, slow, restarting, protocol error, corrupt value).
@@ -40,14 +42,21 @@ class RemoteBackend(Protocol):
         """Number of leading ``block_hashes`` present remotely (0 when unreachable)."""
 
     def get_into(
-        self, namespace: bytes, block_hashes: Sequence[BlockHash], outs: Sequence[torch.Tensor]
+        self, namespace: bytes, block_hashes: Sequence[BlockHash], outs: Sequence[torch.Tensor],
+        fingerprints: Sequence[bytes | None] | None = None,
     ) -> list[ReadStatus]:
         """Read each block into ``outs[i]`` (contiguous CPU tensor of ``spec.block_shape``
-        and dtype); one status per block. ``outs[i]`` holds the block's exact bytes iff its
-        status is ``OK``; after a non-OK block, later ones may be skipped (``MISSING``)."""
+        and dtype); one status per block. ``fingerprints[i]``: the token fingerprint block
+        ``i`` must carry (``None``: not checked); a record of other tokens is
+        ``TOKEN_MISMATCH``. ``outs[i]`` holds the block's exact bytes iff its status is
+        ``OK``; after a non-OK block, later ones may be skipped (``MISSING``)."""
 
-    def put(self, namespace: bytes, block_hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor]) -> list[bool]:
-        """Write blocks (contiguous CPU tensors); ``True`` for each block the remote
+    def put(
+        self, namespace: bytes, block_hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor],
+        fingerprints: Sequence[bytes] | None = None,
+    ) -> list[bool]:
+        """Write blocks (contiguous CPU tensors), each with its token fingerprint (default
+        :data:`~kvtier.types.NO_FINGERPRINT`); ``True`` for each block the remote
         acknowledged as stored. Idempotent: a block already present stays as it is."""
 
     def close(self) -> None:

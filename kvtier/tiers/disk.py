@@ -1,8 +1,16 @@
 """DISK tier: an LMDB environment with one record per block, a byte cap and LRU order.
 
-Record value = a block record (:mod:`kvtier.records`: 96-byte header + raw block bytes);
+Record value = a block record (:mod:`kvtier.records`: 128-byte header + raw block bytes);
 key = the block hash. Every read is verified (magic, version, namespace, dtype, shape, size,
 checksum); a record that fails is reported as ``CORRUPT`` and dropped, never served (case D1).
+The index keeps each record's token fingerprint (from its header) and every read checks the
+record against the caller's expected fingerprint (or the index's): a record of other tokens
+is ``TOKEN_MISMATCH``, never served, and stays (it is intact, and its own prompt's).
+
+Records of another format version (another kvtier release sharing the directory) are kept,
+never served and never counted as blocks: they count in ``used_bytes`` and are the first to
+go when a write needs room (dropped lazily, oldest key order first), so opening a directory
+with a release of another version does not wipe it.
 
 Durability: the environment is opened with ``writemap=True, sync=False``: a committed write
 transaction is in the shared page cache, so it survives a ``kill -9`` of the process (LMDB
@@ -33,9 +41,9 @@ try:
 except ImportError:  # only the DISK tier needs it; GPU/CPU tiers run without
     lmdb = None  # type: ignore[assignment]
 
-from kvtier.records import HEADER_NBYTES, ReadStatus, decode_into, encode_record, parse_header
+from kvtier.records import HEADER_NBYTES, VERSION, ReadStatus, decode_into, encode_record, parse_header, record_version
 from kvtier.tiers.lru import SegmentedLRU
-from kvtier.types import BlockHash, Medium
+from kvtier.types import NO_FINGERPRINT, BlockHash, Fingerprint, Medium
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +83,10 @@ class DiskTier:
             raise ValueError(f"expected DISK capacity >= {self.page_nbytes} bytes, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self._lru: SegmentedLRU[BlockHash, int] = SegmentedLRU(max_ghosts=1 << 16)  # hash -> footprint bytes
-        self._used = 0
+        self._fingerprints: dict[BlockHash, Fingerprint] = {}  # hash -> the record's token fingerprint
+        self._foreign: dict[BlockHash, int] = {}  # records of another version -> footprint, drop order
+        self._foreign_used = 0
+        self._used = 0  # footprints of every record, other versions' included
         self._seq = 0
         self._lock = threading.RLock()
         self.read_only = False
@@ -101,22 +112,36 @@ class DiskTier:
         """Footprint (bytes) of a stored record."""
         return self._lru[block_hash]
 
+    def fingerprint_of(self, block_hash: BlockHash) -> Fingerprint | None:
+        """The token fingerprint of a stored record (from its header), ``None`` if absent."""
+        return self._fingerprints.get(block_hash)
+
     @property
     def used_bytes(self) -> int:
+        """Footprints of every record in the database, other versions' included."""
         return self._used
 
     @property
+    def foreign_bytes(self) -> int:
+        """Footprints of the records of another format version (dropped first when a write
+        needs room)."""
+        return self._foreign_used
+
+    @property
     def free_bytes(self) -> int:
-        return self.capacity_bytes - self._used
+        """Room for new records: the cap less this version's records (another version's
+        records make way for new ones)."""
+        return self.capacity_bytes - self._used + self._foreign_used
 
     def free_bytes_after(self, pending: Iterable[BlockHash], payload_nbytes: int) -> int:
         """Bytes still free once the writes of ``pending`` (records of ``payload_nbytes``
         each, submitted but maybe not yet committed) land: those already in the index count
-        once, in ``used_bytes``. Read under the tier's lock, so a write committing meanwhile is
+        once, in ``used_bytes``; another version's records are free room, as in
+        :attr:`free_bytes`. Read under the tier's lock, so a write committing meanwhile is
         counted exactly once."""
         with self._lock:
             not_landed = sum(1 for h in pending if h not in self._lru)
-            return self.capacity_bytes - self._used - not_landed * self.footprint(payload_nbytes)
+            return self.free_bytes - not_landed * self.footprint(payload_nbytes)
 
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._lru
@@ -156,8 +181,10 @@ class DiskTier:
         """Delete ``deletes`` and write ``puts`` in one LMDB write transaction.
 
         Args:
-            puts: ``(block_hash, namespace, block)`` with ``block`` a contiguous CPU tensor of
-                one block (``[num_layers, 2, block_size, num_kv_heads, head_dim]``).
+            puts: ``(block_hash, namespace, block[, fingerprint])`` with ``block`` a contiguous
+                CPU tensor of one block (``[num_layers, 2, block_size, num_kv_heads,
+                head_dim]``) and ``fingerprint`` its token fingerprint (default
+                :data:`~kvtier.types.NO_FINGERPRINT`).
             deletes: hashes to drop.
             evicted: the deletes make room (remembered by the eviction policy).
 
@@ -173,27 +200,38 @@ class DiskTier:
 
     def _write_batch(self, puts, deletes, evicted) -> list[bool]:
         results: list[bool] = []
-        if puts and not self._filesystem_has_room(sum(b.numel() * b.element_size() for _, _, b in puts)):
+        if puts and not self._filesystem_has_room(sum(put[2].numel() * put[2].element_size() for put in puts)):
             logger.warning("DISK: filesystem of %s is full; %d blocks not written", self.path, len(puts))
             return [False] * len(puts)
+        foreign = iter(list(self._foreign.items()))
+        dropped: list[BlockHash] = []  # records of another version dropped to make room
         try:
             with self.env.begin(write=True) as txn:
                 for h in deletes:
                     txn.delete(h)
                 used = self._used - sum(self._lru.get(h, 0) for h in set(deletes))
-                staged: list[tuple[BlockHash, int]] = []
-                for h, namespace, block in puts:
+                staged: list[tuple[BlockHash, int, Fingerprint]] = []
+                for h, namespace, block, *rest in puts:
                     if h in self._lru and h not in deletes:
                         results.append(True)
                         continue
+                    fingerprint = rest[0] if rest else NO_FINGERPRINT
                     size = self.footprint(block.numel() * block.element_size())
+                    if h in self._foreign and h not in dropped:  # overwritten below
+                        used -= self._foreign[h]
+                        dropped.append(h)
+                    while used + size > self.capacity_bytes and (old := next(foreign, None)) is not None:
+                        if old[0] not in dropped:
+                            txn.delete(old[0])
+                            used -= old[1]
+                            dropped.append(old[0])
                     if used + size > self.capacity_bytes:
                         results.append(False)
                         continue
                     self._seq += 1
-                    txn.put(h, encode_record(namespace, block, self._seq))
+                    txn.put(h, encode_record(namespace, block, self._seq, fingerprint))
                     used += size
-                    staged.append((h, size))
+                    staged.append((h, size, fingerprint))
                     results.append(True)
         except (lmdb.Error, OSError, struct.error) as exc:
             # Nothing of this transaction is visible; the index is unchanged.
@@ -201,8 +239,13 @@ class DiskTier:
             return [False] * len(puts)
         for h in deletes:
             self._forget(h, evicted)
-        for h, size in staged:
+        for h in dropped:
+            size = self._foreign.pop(h)
+            self._used -= size
+            self._foreign_used -= size
+        for h, size, fingerprint in staged:
             self._lru.add(h, size)
+            self._fingerprints[h] = fingerprint
             self._used += size
         return results
 
@@ -233,24 +276,30 @@ class DiskTier:
         with self._lock:
             dropped = _drop_all(self.env)
             self._lru.clear()
+            self._fingerprints.clear()
             self._used = 0
             return dropped
 
     def _forget(self, block_hash: BlockHash, evicted: bool = False) -> None:
         if block_hash in self._lru:
             self._used -= self._lru.pop(block_hash, evicted=evicted)
+            self._fingerprints.pop(block_hash, None)
 
     # -- reads -----------------------------------------------------------------------------
-    def read_into(self, block_hash: BlockHash, namespace: bytes, out: torch.Tensor) -> ReadStatus:
+    def read_into(
+        self, block_hash: BlockHash, namespace: bytes, out: torch.Tensor, fingerprint: Fingerprint | None = None
+    ) -> ReadStatus:
         """Copy the block's bytes into ``out`` (a contiguous CPU tensor of the block's shape
-        and dtype) and verify it; on ``CORRUPT`` the content of ``out`` is unspecified (the
-        caller must not use it). Thread-safe; changes no index state (the caller drops CORRUPT records with
-        :meth:`remove` and counts the use with :meth:`touch`)."""
+        and dtype) and verify it against ``fingerprint`` (the request's; ``None``: the one
+        the index holds for it). Unless ``OK`` the content of ``out`` is unspecified (the
+        caller must not use it). Thread-safe; changes no index state (the caller drops
+        CORRUPT records with :meth:`remove` and counts the use with :meth:`touch`)."""
+        expected = fingerprint if fingerprint is not None else self._fingerprints.get(block_hash)
         with self.env.begin(buffers=True) as txn:
             value = txn.get(block_hash)
             if value is None:
                 return ReadStatus.MISSING
-            return decode_into(value, namespace, out)
+            return decode_into(value, namespace, out, expected)
 
     # -- lifecycle -------------------------------------------------------------------------
     def flush(self) -> None:
@@ -268,33 +317,72 @@ class DiskTier:
                 self._lock_file.close()  # drops the flock
 
     def _rebuild_index(self) -> None:
-        entries: list[tuple[int, BlockHash, int]] = []
+        entries: list[tuple[int, BlockHash, int, Fingerprint]] = []
         bad: list[bytes] = []
         with self.env.begin(buffers=True) as txn:
             for key, value in txn.cursor():
                 header = parse_header(value, len(value))
-                if header is None:
+                if header is not None:
+                    entries.append((header.seq, BlockHash(bytes(key)), self.footprint(header.payload_nbytes),
+                                    header.fingerprint))
+                elif record_version(value) not in (None, VERSION):  # another release's: kept, never served
+                    size = _page_round(len(value) + _OVERFLOW_PAGE_HEADER, self.page_nbytes)
+                    self._foreign[BlockHash(bytes(key))] = size
+                    self._foreign_used += size
+                    self._used += size
+                else:
                     bad.append(bytes(key))
-                    continue
-                entries.append((header.seq, BlockHash(bytes(key)), self.footprint(header.payload_nbytes)))
         entries.sort()
-        for seq, h, size in entries:
+        for seq, h, size, fingerprint in entries:
             self._lru.add(h, size)
+            self._fingerprints[h] = fingerprint
             self._used += size
             self._seq = max(self._seq, seq)
+        if self._foreign:
+            logger.info("DISK: %d records of another format version kept (never served; dropped first for room)",
+                        len(self._foreign))
         if bad:
             logger.warning("DISK: dropping %d records with unreadable headers", len(bad))
             self.write_batch(deletes=[BlockHash(k) for k in bad])
-        # A smaller cap than the data on disk: drop the least recently stored.
+        # A smaller cap than the data on disk: drop other versions' records, then the least recently stored.
+        if self._used > self.capacity_bytes and self._foreign and not self.read_only:
+            self._drop_foreign(self._used - self.capacity_bytes)
         while self._used > self.capacity_bytes and len(self._lru):
             self.remove([next(self._lru.eviction_order())])
 
+    def _drop_foreign(self, nbytes: int) -> None:
+        """Delete records of another version, in key order, until ``nbytes`` are freed."""
+        drop, freed = [], 0
+        for h, size in self._foreign.items():
+            if freed >= nbytes:
+                break
+            drop.append(h)
+            freed += size
+        with self.env.begin(write=True) as txn:
+            for h in drop:
+                txn.delete(h)
+        for h in drop:
+            size = self._foreign.pop(h)
+            self._used -= size
+            self._foreign_used -= size
+
     def check(self) -> None:
-        """Invariant check for tests: index and database agree, cap respected."""
+        """Invariant check for tests: index and database agree (fingerprints too), cap
+        respected, other versions' records accounted."""
+        on_disk, fingerprints, foreign = {}, {}, {}
         with self.env.begin(buffers=True) as txn:
-            on_disk = {bytes(k): self.footprint(parse_header(v, len(v)).payload_nbytes) for k, v in txn.cursor()}
+            for k, v in txn.cursor():
+                header = parse_header(v, len(v))
+                if header is None:
+                    foreign[bytes(k)] = _page_round(len(v) + _OVERFLOW_PAGE_HEADER, self.page_nbytes)
+                    continue
+                on_disk[bytes(k)] = self.footprint(header.payload_nbytes)
+                fingerprints[bytes(k)] = header.fingerprint
         assert on_disk == dict(self._lru.items()), "DISK index and database disagree"
-        assert self._used == sum(on_disk.values()), "DISK usage accounting is off"
+        assert fingerprints == self._fingerprints, "DISK fingerprints and records disagree"
+        assert foreign == self._foreign, "DISK records of other versions are not accounted"
+        assert self._foreign_used == sum(foreign.values()), "DISK usage of other versions is off"
+        assert self._used == sum(on_disk.values()) + self._foreign_used, "DISK usage accounting is off"
         assert self._used <= self.capacity_bytes, "DISK capacity exceeded"
 
 
@@ -359,5 +447,8 @@ def _lock_directory(path: Path):
 def record_footprint(payload_nbytes: int, page_nbytes: int = 4096) -> int:
     """Bytes a record of ``payload_nbytes`` occupies: header + payload + LMDB's overflow
     page header, rounded up to whole pages (LMDB stores large values on overflow pages)."""
-    total = HEADER_NBYTES + payload_nbytes + _OVERFLOW_PAGE_HEADER
-    return -(-total // page_nbytes) * page_nbytes
+    return _page_round(HEADER_NBYTES + payload_nbytes + _OVERFLOW_PAGE_HEADER, page_nbytes)
+
+
+def _page_round(nbytes: int, page_nbytes: int) -> int:
+    return -(-nbytes // page_nbytes) * page_nbytes

@@ -4,7 +4,8 @@ The pool is allocated once at start-up (no per-block malloc on the hot path)::
 
     tensor: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], dtype of the model
 
-and slot ``block_id`` holds one block. On the CPU medium the tensor is pinned when CUDA is
+and slot ``block_id`` holds one block; beside it the pool keeps the block's token fingerprint
+(:mod:`kvtier.hashing`), which a load checks before the slot is served. On the CPU medium the tensor is pinned when CUDA is
 available, so copies to and from the GPU are asynchronous DMA.
 
 A pool knows nothing of pins or of other tiers: the store decides what to evict (it skips
@@ -19,7 +20,7 @@ from typing import Iterator, Sequence
 import torch
 
 from kvtier.tiers.lru import SegmentedLRU
-from kvtier.types import BlockHash, KVSpec, Medium
+from kvtier.types import NO_FINGERPRINT, BlockHash, Fingerprint, KVSpec, Medium
 
 
 class BlockPool:
@@ -57,6 +58,7 @@ class BlockPool:
         )
         # Slot 0 is handed out first: pop() from the end of a reversed list.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._fingerprints: list[Fingerprint] = [NO_FINGERPRINT] * num_blocks  # per slot
         # block_hash -> block_id, in eviction order (kvtier.tiers.lru).
         self._lru: SegmentedLRU[BlockHash, int] = SegmentedLRU(max_ghosts=2 * num_blocks)
         self._held: set[int] = set()  # slots out of the index, not free: see clear(hold=...)
@@ -70,6 +72,15 @@ class BlockPool:
 
     def block_id(self, block_hash: BlockHash) -> int | None:
         return self._lru.get(block_hash)
+
+    def fingerprint(self, block_hash: BlockHash) -> Fingerprint | None:
+        """The token fingerprint kept with ``block_hash``'s slot, ``None`` if not here."""
+        block_id = self._lru.get(block_hash)
+        return None if block_id is None else self._fingerprints[block_id]
+
+    def fingerprint_at(self, block_id: int) -> Fingerprint:
+        """The token fingerprint kept with slot ``block_id``."""
+        return self._fingerprints[block_id]
 
     @property
     def device(self) -> torch.device:
@@ -107,13 +118,17 @@ class BlockPool:
         """Most recent within its segment, without counting a use."""
         self._lru.refresh(block_hash)
 
-    def allocate(self, block_hash: BlockHash) -> int | None:
-        """Reserve a free slot for ``block_hash`` (most recently used). ``None`` when full."""
+    def allocate(self, block_hash: BlockHash, fingerprint: Fingerprint = NO_FINGERPRINT) -> int | None:
+        """Reserve a free slot for ``block_hash`` (most recently used), kept with
+        ``fingerprint`` (the tokens the bytes written there are computed from). ``None``
+        when full."""
         assert block_hash not in self._lru, "block already in pool"
+        assert len(fingerprint) == 32, "fingerprints are 32 bytes"
         if not self._free:
             return None
         block_id = self._free.pop()
         self._lru.add(block_hash, block_id)
+        self._fingerprints[block_id] = fingerprint
         return block_id
 
     def free(self, block_hash: BlockHash, evicted: bool = False) -> int:
@@ -121,6 +136,7 @@ class BlockPool:
         ``evicted``: dropped to make room (remembered for the eviction policy)."""
         block_id = self._lru.pop(block_hash, evicted=evicted)
         self._free.append(block_id)
+        self._fingerprints[block_id] = NO_FINGERPRINT
         return block_id
 
     def clear(self, hold: Sequence[BlockHash] = ()) -> dict[BlockHash, int]:
@@ -132,11 +148,14 @@ class BlockPool:
         self._lru.clear()
         self._held.update(held.values())
         self._free = [i for i in range(self.num_blocks - 1, -1, -1) if i not in self._held]
+        for i in self._free:
+            self._fingerprints[i] = NO_FINGERPRINT
         return held
 
     def release_slot(self, block_id: int) -> None:
         """Free a slot that :meth:`clear` held."""
         self._held.remove(block_id)
+        self._fingerprints[block_id] = NO_FINGERPRINT
         self._free.append(block_id)
 
     @property

@@ -3,12 +3,15 @@
 Implements :class:`kvtier.tiers.backend.RemoteBackend`. One Redis string per block::
 
     key   = b"kvtier:" + namespace.hex() + b":" + block_hash.hex()
-    value = block record (kvtier.records: 96-byte header + xxh3 checksum + raw block bytes)
+    value = block record (kvtier.records: 128-byte header + xxh3 checksum + raw block bytes)
     spec  = b"kvtier:" + namespace.hex() + b":spec" -> the namespace's KVSpec (kvtier.wire.pack_spec)
 
 Hex keys keep ``redis-cli --scan --pattern 'kvtier:<namespace hex>:*'`` usable to inspect
 or clear one namespace. Every read is verified (:func:`kvtier.records.decode_into`); a value
-that fails is ``CORRUPT``, never served, and is deleted so the next put repairs it.
+that fails is ``CORRUPT``, never served, and is deleted so the next put repairs it. A value
+of other tokens (its fingerprint is not the one the caller expects: ``TOKEN_MISMATCH``) or
+of another format version (``OTHER_VERSION``, another release's) is a miss and stays: it is
+intact, and Redis's eviction (or its TTL) ages it out.
 
 Round trips: ``lookup`` is one pipeline of ``EXISTS`` (one round trip; on a cluster one per
 node, written to every node before any reply is read), ``get_into`` and ``put`` are pipelines
@@ -87,11 +90,11 @@ try:
 except ImportError:  # only RedisTier needs it
     redis = None  # type: ignore[assignment]
 
-from kvtier.checks import check_block_hashes, check_namespace
+from kvtier.checks import check_block_hashes, check_fingerprints, check_namespace, expected_fingerprints
 from kvtier.records import ReadStatus, decode_into, record_nbytes
 from kvtier.tiers.backoff import MAX_S, MIN_S, Backoff
 from kvtier.tiers.redis_conn import ReplyTooLarge, call_budget, client_options, record_value
-from kvtier.types import BlockHash, KVSpec
+from kvtier.types import NO_FINGERPRINT, BlockHash, KVSpec
 from kvtier.wire import describe, pack_spec, unpack_spec
 
 logger = logging.getLogger(__name__)
@@ -225,13 +228,16 @@ class RedisTier:
         return present
 
     def get_into(
-        self, namespace: bytes, block_hashes: Sequence[BlockHash], outs: Sequence[torch.Tensor]
+        self, namespace: bytes, block_hashes: Sequence[BlockHash], outs: Sequence[torch.Tensor],
+        fingerprints: Sequence[bytes | None] | None = None,
     ) -> list[ReadStatus]:
         """Read each block into ``outs[i]`` and verify it.
 
         Args:
             outs: one contiguous CPU tensor per hash, of ``spec.block_shape`` and
                 ``spec.dtype`` (the registered spec).
+            fingerprints: the token fingerprint each block must carry (``None`` entries, or
+                ``None``: not checked).
 
         Returns:
             one status per block; ``outs[i]`` holds the block's exact bytes iff it is ``OK``.
@@ -242,6 +248,7 @@ class RedisTier:
         """
         spec = self._spec_of(namespace)
         check_block_hashes(block_hashes)
+        expected = expected_fingerprints(fingerprints, len(block_hashes))
         _check_tensors(outs, len(block_hashes), spec, "outs")
         if not block_hashes:
             return []
@@ -252,11 +259,14 @@ class RedisTier:
         with call_budget(self.timeout_s, n * size, max_bulk=size + 1, reply_nbytes=n * (size + 64)):
             if not self._usable(namespace):
                 return [ReadStatus.UNAVAILABLE] * n
-            return self._get_chunks(namespace, block_hashes, outs, size)
+            return self._get_chunks(namespace, block_hashes, outs, expected, size)
 
     def _get_chunks(
-        self, namespace: bytes, block_hashes: Sequence[BlockHash], outs: Sequence[torch.Tensor], size: int
+        self, namespace: bytes, block_hashes: Sequence[BlockHash], outs: Sequence[torch.Tensor],
+        expected: Sequence[bytes | None], size: int,
     ) -> list[ReadStatus]:
+        """``get_into``'s reads, ``max_batch_bytes`` of records per pipeline; each record's
+        header fingerprint is checked against ``expected`` (``None``: not checked)."""
         statuses = [ReadStatus.MISSING] * len(block_hashes)
         chunk = max(1, self.max_batch_bytes // size)
         per_key = 1 if self.ttl_ms is None else 2  # GETRANGE [+ PEXPIRE: a hit refreshes the TTL]
@@ -272,18 +282,22 @@ class RedisTier:
                 statuses[start:] = [_status_of(replies)] * (len(block_hashes) - start)
                 return statuses
             for i, (key, reply) in enumerate(zip(keys, replies[::per_key]), start):
-                status = self._decode(namespace, key, reply, outs[i])
+                status = self._decode(namespace, key, reply, outs[i], expected[i])
                 statuses[i] = status
                 if status is not ReadStatus.OK:
                     return statuses
         return statuses
 
-    def put(self, namespace: bytes, block_hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor]) -> list[bool]:
+    def put(
+        self, namespace: bytes, block_hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor],
+        fingerprints: Sequence[bytes] | None = None,
+    ) -> list[bool]:
         """Write blocks with ``SET NX`` (a block already present stays as it is).
 
         Args:
             blocks: one contiguous CPU tensor per hash, of the registered spec's
                 ``block_shape`` and dtype.
+            fingerprints: each block's token fingerprint (default ``NO_FINGERPRINT``).
 
         Returns:
             ``True`` for each block Redis holds after the call (written now or before).
@@ -293,6 +307,7 @@ class RedisTier:
         """
         spec = self._spec_of(namespace)
         check_block_hashes(block_hashes)
+        fps = check_fingerprints(fingerprints, len(block_hashes)) or [NO_FINGERPRINT] * len(block_hashes)
         _check_tensors(blocks, len(block_hashes), spec, "blocks")
         results = [False] * len(block_hashes)
         if not block_hashes:
@@ -305,8 +320,10 @@ class RedisTier:
             chunk = max(1, self.max_batch_bytes // size)
             for start in range(0, len(block_hashes), chunk):
                 commands = [
-                    ("SET", self._key(namespace, h), record_value(namespace, b), options)
-                    for h, b in zip(block_hashes[start : start + chunk], blocks[start : start + chunk])
+                    ("SET", self._key(namespace, h), record_value(namespace, b, fp), options)
+                    for h, b, fp in zip(
+                        block_hashes[start : start + chunk], blocks[start : start + chunk], fps[start : start + chunk]
+                    )
                 ]
                 replies = self._pipeline(commands)
                 if isinstance(replies, BaseException):
@@ -434,14 +451,18 @@ class RedisTier:
     def _spec_key(namespace: bytes) -> bytes:
         return b"%s%s:spec" % (KEY_PREFIX, namespace.hex().encode())
 
-    def _decode(self, namespace: bytes, key: bytes, reply: object, out: torch.Tensor) -> ReadStatus:
+    def _decode(
+        self, namespace: bytes, key: bytes, reply: object, out: torch.Tensor, fingerprint: bytes | None
+    ) -> ReadStatus:
         if reply is None or reply == b"":  # GETRANGE of a missing key: an empty string
             return ReadStatus.MISSING
         if isinstance(reply, Exception):
             self._fail(reply)
             return _status_of(reply)
-        status = decode_into(memoryview(reply), namespace, out)
-        if status is ReadStatus.CORRUPT:
+        status = decode_into(memoryview(reply), namespace, out, fingerprint)
+        if status in (ReadStatus.TOKEN_MISMATCH, ReadStatus.OTHER_VERSION):
+            self.errors[status.value] += 1  # intact: a miss, left for Redis to age out
+        elif status is ReadStatus.CORRUPT:
             self.errors["corrupt"] += 1
             logger.warning("RedisTier: corrupt value at %s on %s; deleting it", key[:40], self.url)
             self._pipeline([("DEL", key)])  # best effort: the next put writes it again

@@ -45,6 +45,7 @@ except ImportError:  # only RedisTier needs it
     redis = None  # type: ignore[assignment]
 
 from kvtier.records import encode_header, encode_record
+from kvtier.types import NO_FINGERPRINT
 
 MIN_RATE_BYTES_PER_S = 64 << 20
 """A call may take its ``timeout_s`` plus the bytes it moves at this rate (the daemon's client
@@ -212,8 +213,8 @@ class _RecordValue:
 
     __slots__ = ("header", "payload")
 
-    def __init__(self, namespace: bytes, block: torch.Tensor) -> None:
-        self.header = encode_header(namespace, block, 0)
+    def __init__(self, namespace: bytes, block: torch.Tensor, fingerprint: bytes = NO_FINGERPRINT) -> None:
+        self.header = encode_header(namespace, block, 0, fingerprint)
         self.payload = memoryview(block.view(torch.uint8).numpy().reshape(-1))
 
     def __len__(self) -> int:
@@ -308,8 +309,9 @@ def client_options(timeout_s: float, tls: bool = False, guarded: bool = False) -
     return options
 
 
-def record_value(namespace: bytes, block: torch.Tensor):
-    """The ``SET`` value of ``block``'s record: zero-copy where redis-py has the packer hook."""
+def record_value(namespace: bytes, block: torch.Tensor, fingerprint: bytes = NO_FINGERPRINT):
+    """The ``SET`` value of ``block``'s record (with its token ``fingerprint``, 32 bytes):
+    zero-copy where redis-py has the packer hook."""
     if hasattr(Connection, "_construct_command_packer"):
-        return _RecordValue(namespace, block)
-    return memoryview(encode_record(namespace, block, 0))
+        return _RecordValue(namespace, block, fingerprint)
+    return memoryview(encode_record(namespace, block, 0, fingerprint))

@@ -33,7 +33,9 @@ Failures are misses, never exceptions or hangs (the backend contract):
 
 Reads are verified block by block: hash, namespace, dtype, shape and size from the header
 before the payload is read, then the xxh3 checksum over the bytes as they land in the
-caller's tensor. A block that fails is ``CORRUPT``, never ``OK``.
+caller's tensor, then the block's token fingerprint against the caller's (the daemon sends
+what it stores and checks nothing for the client: a daemon cannot be trusted to). A block
+that fails is ``CORRUPT`` or ``TOKEN_MISMATCH`` (counted as ``token_mismatch``), never ``OK``.
 """
 
 from __future__ import annotations
@@ -44,12 +46,19 @@ from typing import Any
 
 import torch
 
-from kvtier.checks import BLOCK_HASH_NBYTES, check_block_hashes, check_namespace, namespace_hex
-from kvtier.records import HEADER_NBYTES, ReadStatus, encode_header, parse_header
+from kvtier.checks import (
+    BLOCK_HASH_NBYTES,
+    check_block_hashes,
+    check_fingerprints,
+    check_namespace,
+    expected_fingerprints,
+    namespace_hex,
+)
+from kvtier.records import HEADER_NBYTES, ReadStatus, check_record, encode_header, failed_header_status, parse_header
 from kvtier.tiers.backoff import MAX_S, MIN_S
 from kvtier.tiers.daemon_client import RESET_ONE_TIMEOUT_S, SMALL_REPLY_NBYTES, DaemonClient
 from kvtier.tiers.transport import Call, Failed, Reader, call, discard, read_capped
-from kvtier.types import DTYPE_NAMES, BlockHash, KVSpec
+from kvtier.types import DTYPE_NAMES, NO_FINGERPRINT, BlockHash, KVSpec
 from kvtier.wire import END, FRAMES, MSGPACK, block_bytes, frame_prefix, pack, spec_to_wire, unpack_map
 
 logger = logging.getLogger(__name__)
@@ -141,31 +150,39 @@ class RemoteTier(DaemonClient):
         return num_hit
 
     def get_into(
-        self, namespace: bytes, block_hashes: Sequence[BlockHash], outs: Sequence[torch.Tensor]
+        self, namespace: bytes, block_hashes: Sequence[BlockHash], outs: Sequence[torch.Tensor],
+        fingerprints: Sequence[bytes | None] | None = None,
     ) -> list[ReadStatus]:
         """Read blocks into ``outs[i]`` (contiguous CPU tensors ``[num_layers, 2, block_size,
-        num_kv_heads, head_dim]`` of the spec's dtype), straight from the socket. ``OK`` iff
-        ``outs[i]`` holds the block's exact bytes; blocks after the first non-OK one are
+        num_kv_heads, head_dim]`` of the spec's dtype), straight from the socket, each checked
+        against ``fingerprints[i]`` (``None``: not checked). ``OK`` iff ``outs[i]`` holds the
+        block's exact bytes, of the expected tokens; blocks after the first non-OK one are
         ``MISSING``. Raises ``ValueError`` for mismatched lengths or unusable tensors."""
         check_namespace(namespace)
         hashes = check_block_hashes(block_hashes)
+        expected = expected_fingerprints(fingerprints, len(hashes))
         if len(outs) != len(hashes):
             raise ValueError(f"expected one out tensor per block hash ({len(hashes)}), got {len(outs)}")
         self._check_blocks(namespace, outs)
         statuses = [ReadStatus.MISSING] * len(hashes)
         for start in range(0, len(hashes), self._max_batch):
             end = min(start + self._max_batch, len(hashes))
-            done = self._get_part(namespace, hashes[start:end], outs[start:end], statuses, start)
+            done = self._get_part(namespace, hashes[start:end], outs[start:end], expected[start:end], statuses, start)
             if done < end - start:
                 break
         return statuses
 
-    def put(self, namespace: bytes, block_hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor]) -> list[bool]:
-        """Send blocks (contiguous CPU tensors); ``True`` for each the daemon acknowledged as
-        stored (with ``--durable``: committed to its DISK). Raises ``ValueError`` for
-        mismatched lengths or unusable tensors."""
+    def put(
+        self, namespace: bytes, block_hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor],
+        fingerprints: Sequence[bytes] | None = None,
+    ) -> list[bool]:
+        """Send blocks (contiguous CPU tensors) with their token fingerprints (default
+        ``NO_FINGERPRINT``); ``True`` for each the daemon acknowledged as stored (with
+        ``--durable``: committed to its DISK). Raises ``ValueError`` for mismatched lengths or
+        unusable tensors."""
         check_namespace(namespace)
         hashes = check_block_hashes(block_hashes)
+        fps = check_fingerprints(fingerprints, len(hashes)) or [NO_FINGERPRINT] * len(hashes)
         if len(blocks) != len(hashes):
             raise ValueError(f"expected one block per block hash ({len(hashes)}), got {len(blocks)}")
         self._check_blocks(namespace, blocks)
@@ -173,7 +190,7 @@ class RemoteTier(DaemonClient):
         try:
             for start in range(0, len(hashes), self._max_batch):
                 part = hashes[start : start + self._max_batch]
-                acks += self._put_part(namespace, part, blocks[start : start + len(part)])
+                acks += self._put_part(namespace, part, blocks[start : start + len(part)], fps[start : start + len(part)])
         except Failed as exc:
             self._count(exc.reason)
         return acks + [False] * (len(hashes) - len(acks))
@@ -212,7 +229,7 @@ class RemoteTier(DaemonClient):
         except ValueError:
             raise Failed("protocol") from None
 
-    def _get_part(self, namespace, hashes, outs, statuses, offset) -> int:
+    def _get_part(self, namespace, hashes, outs, expected, statuses, offset) -> int:
         """One get call; fills ``statuses[offset:]``; returns the blocks read OK."""
         nbytes = sum(out.numel() * out.element_size() for out in outs)
         with call(self.timeout_s + nbytes / _MIN_RATE_BYTES_PER_S) as ctx:
@@ -225,10 +242,10 @@ class RemoteTier(DaemonClient):
             reader = Reader(response, ctx)
             done, status, reason = 0, None, None
             try:
-                for h, out in zip(hashes, outs):
-                    status = _read_frame(reader, namespace, h, out)
+                for h, out, fingerprint in zip(hashes, outs, expected):
+                    status = _read_frame(reader, namespace, h, out, fingerprint)
                     if status is not ReadStatus.OK:
-                        reason = "corrupt" if status is ReadStatus.CORRUPT else None
+                        reason = None if status is ReadStatus.MISSING else status.value
                         break
                     statuses[offset + done] = ReadStatus.OK
                     done += 1
@@ -246,10 +263,12 @@ class RemoteTier(DaemonClient):
             self._count(reason)
         return done
 
-    def _put_part(self, namespace: bytes, hashes: list[BlockHash], blocks: Sequence[torch.Tensor]) -> list[bool]:
+    def _put_part(
+        self, namespace: bytes, hashes: list[BlockHash], blocks: Sequence[torch.Tensor], fingerprints: list[bytes]
+    ) -> list[bool]:
         pieces: list[Any] = []
-        for h, block in zip(hashes, blocks):
-            pieces.append(frame_prefix(h) + encode_header(namespace, block))
+        for h, block, fingerprint in zip(hashes, blocks, fingerprints):
+            pieces.append(frame_prefix(h) + encode_header(namespace, block, 0, fingerprint))
             pieces.append(block_bytes(block))
         pieces.append(END)
         body = _coalesce(pieces)
@@ -325,9 +344,12 @@ class RemoteTier(DaemonClient):
 _STATUS_OF = {"timeout": ReadStatus.TIMEOUT, "corrupt": ReadStatus.CORRUPT}
 
 
-def _read_frame(reader: Reader, namespace: bytes, block_hash: bytes, out: torch.Tensor) -> ReadStatus:
+def _read_frame(
+    reader: Reader, namespace: bytes, block_hash: bytes, out: torch.Tensor, fingerprint: bytes | None
+) -> ReadStatus:
     """One frame into ``out``: ``OK``, ``MISSING`` (the stream ended: the daemon has no more
-    of the prefix) or ``CORRUPT``. Raises :class:`Failed` when the stream breaks."""
+    of the prefix), ``CORRUPT``, ``OTHER_VERSION`` or ``TOKEN_MISMATCH`` (the block is not
+    ``fingerprint``'s, when given). Raises :class:`Failed` when the stream breaks."""
     hash_len = reader.read(1)[0]
     if hash_len == 0:
         return ReadStatus.MISSING
@@ -335,9 +357,10 @@ def _read_frame(reader: Reader, namespace: bytes, block_hash: bytes, out: torch.
         return ReadStatus.CORRUPT  # out of step with the request: nothing after it is trusted
     header = reader.read(HEADER_NBYTES)
     record = parse_header(header)
+    if record is None:
+        return failed_header_status(header)
     if (
-        record is None
-        or record.namespace != namespace
+        record.namespace != namespace
         or record.dtype != DTYPE_NAMES[out.dtype]
         or record.shape != tuple(out.shape)
         or record.payload_nbytes != out.numel() * out.element_size()
@@ -349,7 +372,7 @@ def _read_frame(reader: Reader, namespace: bytes, block_hash: bytes, out: torch.
         piece = dst[start : start + _PIECE_NBYTES]
         reader.readinto(piece)
         digest.update(piece)
-    return ReadStatus.OK if digest.intdigest() == record.checksum else ReadStatus.CORRUPT
+    return check_record(record, digest.intdigest(), fingerprint)
 
 
 def _coalesce(pieces: list) -> list:

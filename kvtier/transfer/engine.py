@@ -40,6 +40,9 @@ class TransferJob:
         block_hashes: the blocks, ``[n]``.
         src_ids: slots in the source pool (``None`` when ``src`` is DISK), ``[n]``.
         dst_ids: slots in the destination pool (``None`` when ``dst`` is DISK), ``[n]``.
+        fingerprints: for reads from DISK or REMOTE, the token fingerprint each block must
+            carry (``None`` entries, or ``None``: not checked against a request's tokens),
+            ``[n]``; a block that carries another is failed with reason ``"token_mismatch"``.
         job_id: set by :meth:`TransferEngine.submit`.
     """
 
@@ -48,6 +51,7 @@ class TransferJob:
     block_hashes: list[BlockHash]
     src_ids: list[int] | None = None
     dst_ids: list[int] | None = None
+    fingerprints: list[bytes | None] | None = None
     job_id: int = -1
 
 
@@ -58,7 +62,8 @@ class JobResult:
     Attributes:
         job_id: the job.
         ok: per block, whether its bytes reached the destination, ``[n]``.
-        reasons: per failed block, why (``"corrupt"``, ``"missing"``, ``"error"``, ``"full"``).
+        reasons: per failed block, why (``"corrupt"``, ``"missing"``, ``"error"``, ``"full"``,
+            ``"token_mismatch"``, ``"other_version"``).
         nbytes: bytes moved.
         seconds: wall time from submit to completion.
     """

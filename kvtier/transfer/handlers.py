@@ -148,9 +148,10 @@ class DiskHandler(_IOHandler):
     def _read(self, job: TransferJob) -> JobResult:
         ok: list[bool] = []
         reasons: dict[int, str] = {}
-        for i, (h, slot) in enumerate(zip(job.block_hashes, job.dst_ids)):
+        expected = job.fingerprints or [None] * len(job.block_hashes)
+        for i, (h, slot, fingerprint) in enumerate(zip(job.block_hashes, job.dst_ids, expected)):
             try:
-                status = self.disk.read_into(h, self.namespace, self.pool.tensor[slot]).value
+                status = self.disk.read_into(h, self.namespace, self.pool.tensor[slot], fingerprint).value
             except Exception as exc:  # one bad read fails one block, not the job
                 logger.warning("DISK read of block %s failed: %s", h.hex()[:16], exc)
                 status = "error"
@@ -161,7 +162,8 @@ class DiskHandler(_IOHandler):
         return JobResult(job.job_id, ok, reasons, nbytes)
 
     def _write(self, job: TransferJob) -> JobResult:
-        puts = [(h, self.namespace, self.pool.tensor[s]) for h, s in zip(job.block_hashes, job.src_ids)]
+        pool = self.pool
+        puts = [(h, self.namespace, pool.tensor[s], pool.fingerprint_at(s)) for h, s in zip(job.block_hashes, job.src_ids)]
         # room was made when the job was submitted (under the store's lock, victims unpinned)
         ok = self.disk.write_batch(puts)
         reasons = {i: "full" for i, good in enumerate(ok) if not good}
@@ -172,7 +174,7 @@ class RemoteHandler(_IOHandler):
     """A pool <-> the REMOTE tier (kvtier.tiers.backend.RemoteBackend), on the I/O threads.
 
     Reads (``REMOTE -> pool``) land straight in host-memory pool slots, verified by the
-    backend; writes (``pool -> REMOTE``) send blocks from any pool (a GPU block is first
+    backend (against the job's fingerprints too); writes (``pool -> REMOTE``) send blocks from any pool (a GPU block is first
     copied to host memory on the I/O thread). One backend call per job: the daemon streams
     the whole batch over one connection, Redis pipelines it.
 
@@ -188,7 +190,7 @@ class RemoteHandler(_IOHandler):
 
     def _read(self, job: TransferJob) -> JobResult:
         outs = [self.pool.tensor[slot] for slot in job.dst_ids]
-        statuses = self.remote.get_into(self.namespace, job.block_hashes, outs)
+        statuses = self.remote.get_into(self.namespace, job.block_hashes, outs, job.fingerprints)
         ok = [status is ReadStatus.OK for status in statuses]
         reasons = {i: status.value for i, status in enumerate(statuses) if status is not ReadStatus.OK}
         return JobResult(job.job_id, ok, reasons, sum(ok) * self.pool.spec.block_nbytes)
@@ -197,9 +199,34 @@ class RemoteHandler(_IOHandler):
         blocks = [self.pool.tensor[s] for s in job.src_ids]
         if self.pool.tensor.device.type != "cpu":
             blocks = [b.to("cpu") for b in blocks]
-        ok = list(self.remote.put(self.namespace, job.block_hashes, blocks))
+        fingerprints = [self.pool.fingerprint_at(s) for s in job.src_ids]
+        ok = list(self.remote.put(self.namespace, job.block_hashes, blocks, fingerprints))
         reasons = {i: "remote_put" for i, good in enumerate(ok) if not good}
         return JobResult(job.job_id, ok, reasons, sum(ok) * self.pool.spec.block_nbytes)
+
+
+def register_handlers(
+    engine: TransferEngine, pools: list[BlockPool], disk: DiskTier | None, remote: RemoteBackend | None,
+    namespace: bytes, executor: ThreadPoolExecutor,
+) -> TransferEngine:
+    """Register a handler for every (source, destination) medium pair a store uses."""
+    for upper, lower in zip(pools, pools[1:]):
+        # loads record one event per layer, so layer i can be used before layer i+1 lands
+        engine.register(lower.medium, upper.medium, PoolCopyHandler(lower, upper, per_layer=True))
+        engine.register(upper.medium, lower.medium, PoolCopyHandler(upper, lower))
+    host_pools = [p for p in pools if p.tensor.device.type == "cpu"]
+    if disk is not None:
+        for pool in host_pools:
+            handler = DiskHandler(disk, pool, namespace, executor)
+            engine.register(Medium.DISK, pool.medium, handler)
+            engine.register(pool.medium, Medium.DISK, handler)
+    if remote is not None:
+        for pool in pools:
+            handler = RemoteHandler(remote, pool, namespace, executor)
+            engine.register(pool.medium, Medium.REMOTE, handler)
+            if pool in host_pools:
+                engine.register(Medium.REMOTE, pool.medium, handler)
+    return engine
 
 
 def slot_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:

@@ -205,6 +205,24 @@ def test_corrupt_record_is_a_miss_from_there_on(make_backend, tmp_path) -> None:
     assert again.batch_exists(keys) == 2  # the bad record was dropped
 
 
+def test_a_page_stored_under_another_keys_fingerprint_is_never_served(make_backend) -> None:
+    """Issue 11, item 5: a record under the right block hash whose token fingerprint is
+    another page key's (a collision or a forging writer) is a miss counted token_mismatch."""
+    from kvtier.connectors.sglang.keys import block_keys
+
+    host = new_host_pool()
+    keys, other = page_keys(3), page_keys(3, start=1000)
+    backend = make_backend(host)
+    hashes, _ = block_keys(backend.namespace, keys)
+    _, other_fps = block_keys(backend.namespace, other)
+    blocks = torch.randn((3, *backend.layout.spec.block_shape)).to(backend.layout.spec.dtype)
+    assert backend.store.store(hashes, blocks, other_fps) == 3
+    assert backend.batch_exists(keys) == 3  # the hashes are there...
+    dst = host.alloc(3 * PAGE_SIZE)
+    assert backend.batch_get_v1(keys, dst) == [False] * 3  # ...but never served
+    assert backend.store.stats.load_failures["token_mismatch"] == 1
+
+
 def test_bad_calls_are_misses_never_exceptions(make_backend, tmp_path) -> None:
     from sglang.srt.mem_cache.storage import StorageBackendFactory
 

@@ -57,9 +57,13 @@ def test_bad_input_raises_value_error():
 
 
 _SCRIPT = (
-    "from kvtier.hashing import KeyContext, block_hashes_for;"
-    "ns = KeyContext(model_id='m', lora_name='a', cache_salt='s').namespace();"
-    "print(ns.hex(), *[h.hex() for h in block_hashes_for(list(range(100)), ns, 16)])"
+    "from kvtier.hashing import KeyContext, block_keys_for;"
+    "from kvtier.model_keys import kv_config_bytes, kv_config_fields;"
+    "from transformers import Gemma3TextConfig;"
+    "kv = kv_config_bytes(kv_config_fields(Gemma3TextConfig(), kv_cache_dtype='bfloat16'));"
+    "ns = KeyContext(model_id='m', lora_name='a', cache_salt='s', kv_config=kv).namespace();"
+    "hs, fps = block_keys_for(list(range(100)), ns, 16);"
+    "print(ns.hex(), *[h.hex() for h in hs], *[f.hex() for f in fps])"
 )
 
 
@@ -71,9 +75,14 @@ def test_hashes_stable_across_processes_and_hash_seeds_regression_k4():
         out = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, check=True)
         outputs.append(out.stdout.split())
     assert outputs[0] == outputs[1]
-    assert len(outputs[0]) == 1 + 100 // 16
+    assert len(outputs[0]) == 1 + 2 * (100 // 16)  # namespace, hashes, token fingerprints
     # and this process agrees with both
-    ns = KeyContext(model_id="m", lora_name="a", cache_salt="s").namespace()
+    from transformers import Gemma3TextConfig
+
+    from kvtier.model_keys import kv_config_bytes, kv_config_fields
+
+    kv = kv_config_bytes(kv_config_fields(Gemma3TextConfig(), kv_cache_dtype="bfloat16"))
+    ns = KeyContext(model_id="m", lora_name="a", cache_salt="s", kv_config=kv).namespace()
     assert outputs[0][0] == ns.hex()
 
 
@@ -99,6 +108,7 @@ _contexts = st.builds(
     lora_version=_text,
     cache_salt=_text,
     hash_name=st.sampled_from(["sha256", "xxh3_128"]),
+    kv_config=st.one_of(st.just(b""), st.binary(max_size=6)),
 )
 
 

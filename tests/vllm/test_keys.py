@@ -10,6 +10,7 @@ import pytest
 from kvtier.connectors.vllm.keys import (
     EngineKey,
     HashChain,
+    kv_config_for,
     model_fingerprint,
     model_revision_for,
     request_chains,
@@ -99,3 +100,83 @@ def test_model_revision_for(tmp_path) -> None:
     assert model_revision_for(SimpleNamespace(model=str(tmp_path))) == model_fingerprint(str(tmp_path))
     missing = SimpleNamespace(model="no-such-org/no-such-model-kvtier", revision="abc")
     assert model_revision_for(missing) == "hub:abc"
+
+
+def _vllm_config(hf_config, cache_dtype="auto", **model_fields):
+    model_config = SimpleNamespace(hf_config=hf_config, disable_sliding_window=False, quantization=None)
+    vars(model_config).update(model_fields)
+    return SimpleNamespace(model_config=model_config, cache_config=SimpleNamespace(cache_dtype=cache_dtype))
+
+
+def test_kv_config_enters_the_namespace_whatever_the_revision_says() -> None:
+    transformers = pytest.importorskip("transformers")
+    base = transformers.LlamaConfig(num_hidden_layers=2)
+    scaled = transformers.LlamaConfig(num_hidden_layers=2, rope_parameters={
+        "rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})
+    configs = [
+        _vllm_config(base), _vllm_config(scaled), _vllm_config(base, "fp8_e4m3"), _vllm_config(base, "fp8_e5m2"),
+        _vllm_config(base, disable_sliding_window=True),
+    ]
+    keys = [EngineKey("m", "rev", "float32", "vllm-cpu-attn/vec", 4, kv_config=kv_config_for(c)) for c in configs]
+    assert len({key.namespace(0) for key in keys}) == len(keys)
+    assert kv_config_for(_vllm_config(transformers.LlamaConfig(num_hidden_layers=2))) == keys[0].kv_config
+    # the request roots carry it too
+    assert len({request_chains(key, request())[0].root for key in keys}) == len(keys)
+
+
+def test_kv_config_is_read_after_hf_overrides(tmp_path) -> None:
+    """vLLM applies ``hf_overrides`` (flat and nested) to ``model_config.hf_config``: a RoPE
+    override under one revision string is another namespace."""
+    pytest.importorskip("vllm")
+    from vllm.config import ModelConfig
+
+    from tests.vllm.models import make_random_llama
+
+    path = make_random_llama(tmp_path / "llama")
+
+    def key(**overrides):
+        model_config = ModelConfig(model=str(path), hf_overrides=overrides, max_model_len=256)
+        vllm_config = SimpleNamespace(model_config=model_config, cache_config=SimpleNamespace(cache_dtype="auto"))
+        return kv_config_for(vllm_config)
+
+    plain = key()
+    assert key() == plain
+    assert key(rope_parameters={"rope_type": "default", "rope_theta": 50000.0}) != plain
+    assert key(max_position_embeddings=8192) != plain
+
+
+def image(identifier, offset, length, modality="image"):
+    return SimpleNamespace(identifier=identifier, modality=modality,
+                           mm_position=SimpleNamespace(offset=offset, length=length))
+
+
+def mm_request(*features, tokens=TOKENS):
+    return SimpleNamespace(request_id="r", all_token_ids=tokens, cache_salt=None, lora_request=None,
+                           mm_features=list(features))
+
+
+def test_media_are_keyed_into_the_blocks_their_placeholders_fall_in() -> None:
+    """Issue 11, item 3: the same token ids with another image are other blocks from the
+    image's first block on; the blocks before it are shared."""
+    def hashes(req):
+        return request_chains(KEY, req)[0].upto(TOKENS, 5)
+
+    plain, cat, dog = hashes(request()), hashes(mm_request(image("cat", 6, 5))), hashes(mm_request(image("dog", 6, 5)))
+    assert plain[0] == cat[0] == dog[0]  # block 0 (tokens 0-3) holds no placeholder
+    assert all(a != b for a, b in zip(cat[1:], dog[1:])) and all(a != b for a, b in zip(cat[1:], plain[1:]))
+    assert hashes(mm_request(image("cat", 6, 5))) == cat  # the same image: the same blocks
+    assert hashes(mm_request(image("cat", 7, 5)))[1] != cat[1]  # the same image elsewhere
+    assert hashes(mm_request(image("cat", 6, 5, modality="audio")))[1] != cat[1]
+    fps = [request_chains(KEY, mm_request(image(i, 6, 5)))[0].keys_upto(TOKENS, 5)[1] for i in ("cat", "dog")]
+    assert fps[0][0] == fps[1][0] and fps[0][1] != fps[1][1]  # the fingerprints carry the image too
+
+
+def test_media_that_cannot_be_keyed_make_the_request_uncacheable() -> None:
+    from kvtier.connectors.vllm.keys import request_media
+
+    assert request_media(request()) == []
+    assert request_media(mm_request(image("b", 10, 2), image("a", 2, 3)))[0].start == 2  # sorted
+    assert request_media(mm_request(image(None, 2, 3))) is None  # no identifier
+    assert request_media(mm_request(image("a", 2, 3), image("b", 4, 3))) is None  # overlapping
+    assert request_media(mm_request(image("a", 20, 8))) is None  # past the prompt
+    assert request_media(mm_request(SimpleNamespace(identifier="a", modality="image", mm_position=None))) is None

@@ -29,11 +29,13 @@ def servers():
 def fixed(answer):
     calls = []
 
-    def handler(op, req_id, hashes, wait_s):
+    def handler(op, req_id, hashes, wait_s, fingerprints=None):
         calls.append((op, req_id, hashes, wait_s))
+        handler.fingerprints.append(fingerprints)
         return answer(hashes) if callable(answer) else answer
 
     handler.calls = calls
+    handler.fingerprints = []
     return handler
 
 
@@ -46,6 +48,16 @@ def test_answer_is_the_shortest_rank(paths, servers) -> None:
     assert second.calls == [("match", "r1", [b"c" * 32], 0.25)]
     client.drop("r1")
     assert first.calls[-1][:2] == ("drop", "r1")
+    client.close()
+
+
+def test_each_rank_gets_its_own_fingerprints(paths, servers) -> None:
+    first, second = fixed((1, ["CPU"])), fixed((1, ["CPU"]))
+    servers += [LookupServer(paths[0], first), LookupServer(paths[1], second)]
+    client = LookupClient(paths, timeout_s=5)
+    client.match("r", [[b"a" * 32], [b"c" * 32]], 0, [[b"f" * 32], [b"g" * 32]])
+    client.match("r", [[b"a" * 32], [b"c" * 32]], 0)  # without: None on both
+    assert first.fingerprints == [[b"f" * 32], None] and second.fingerprints == [[b"g" * 32], None]
     client.close()
 
 
@@ -64,7 +76,7 @@ def test_unreachable_worker_is_a_miss_then_reconnects(paths, servers) -> None:
 def test_silent_worker_times_out_and_a_late_reply_is_never_read(paths, servers) -> None:
     release = threading.Event()
 
-    def handler(op, req_id, hashes, wait_s):
+    def handler(op, req_id, hashes, wait_s, fingerprints=None):
         if req_id == "slow":
             release.wait(5)
             return 7, ["DISK"] * 7
@@ -80,7 +92,7 @@ def test_silent_worker_times_out_and_a_late_reply_is_never_read(paths, servers) 
 
 
 def test_handler_error_is_a_miss_and_the_connection_stays(paths, servers) -> None:
-    def handler(op, req_id, hashes, wait_s):
+    def handler(op, req_id, hashes, wait_s, fingerprints=None):
         if req_id == "bad":
             raise RuntimeError("boom")
         return 2, ["CPU", "CPU"]

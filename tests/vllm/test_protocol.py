@@ -328,6 +328,53 @@ def test_a_retry_with_a_longer_vllm_hit_replaces_the_match(make_engine) -> None:
     assert engine.worker.counters.matches == matches + 2
 
 
+def test_a_hash_collision_is_never_loaded_into_vllms_cache(make_engine, monkeypatch) -> None:
+    """Issue 11, item 5: with a block hash that collides (simulated: it ignores the tokens),
+    the worker's store refuses blocks whose token fingerprint is not the request's, so the
+    scheduler is told 0 tokens and nothing of the first prompt reaches vLLM's cache."""
+    import kvtier.hashing as hashing
+
+    real = hashing._digest
+    domain = len(hashing._BLOCK_DOMAIN)
+    monkeypatch.setattr(hashing, "_digest", lambda name, data: real(name, data[: domain + 1 + data[domain]]))
+    first, second = prompt(3 * BLOCK + 5, seed=1), prompt(3 * BLOCK + 5, seed=2)
+    engine = stored_engine(make_engine, first, [0, 1, 2, 3])
+    request = make_request("r-other", second)
+    assert engine.admit(request, [5, 6, 7, 8]) == 0
+    assert engine.store.stats.load_failures["token_mismatch"] == 1
+    assert engine.admit(make_request("r-same", first), [9, 10, 11, 12]) == 3 * BLOCK  # its own tokens hit
+
+
+def with_image(request, identifier, offset, length):
+    """``request`` with one image, as vLLM 0.32's own feature spec describes it."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    request.mm_features = [MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
+                                                 mm_position=PlaceholderRange(offset=offset, length=length))]
+    return request
+
+
+def test_the_same_tokens_with_another_image_miss_from_the_image_on(make_engine) -> None:
+    """Issue 11, item 3: blocks holding an image's placeholders are keyed by the image
+    (vLLM's identifier), so another image with the same token ids misses from its first
+    block on; the same image hits; an image vLLM gave no identifier is not cached."""
+    tokens = prompt(4 * BLOCK + 5)
+    engine = make_engine()
+    stored = with_image(make_request("r-cat", tokens), "cat-hash", BLOCK + 3, 40)  # blocks 1 and 2
+    assert engine.admit(stored, [0, 1, 2, 3, 4]) == 0
+    meta, errors = engine.step([(stored, 0, len(tokens))])
+    assert not errors and [len(s.block_ids) for s in meta.saves] == [4]
+    engine.store.wait_for_writes()
+    dog = with_image(make_request("r-dog", tokens), "dog-hash", BLOCK + 3, 40)
+    assert engine.admit(dog, [5, 6, 7, 8, 9]) == BLOCK  # block 0 only: before the image
+    cat = with_image(make_request("r-cat2", tokens), "cat-hash", BLOCK + 3, 40)
+    assert engine.admit(cat, [10, 11, 12, 13, 14]) == 4 * BLOCK
+    unkeyed = with_image(make_request("r-anon", tokens), None, BLOCK + 3, 40)
+    assert engine.admit(unkeyed, [15, 16, 17, 18, 19]) == 0
+    meta, _ = engine.step([(unkeyed, 0, len(tokens))])
+    assert meta.saves == []  # never stored either
+
+
 def test_reset_drops_matches_and_a_load_planned_before_it_is_reported(make_engine) -> None:
     tokens = prompt(4 * BLOCK + 3)
     engine = stored_engine(make_engine, tokens, [0, 1, 2, 3, 4])

@@ -50,19 +50,22 @@ from kvtier.connectors.hf_paged.hooks import Hooks
 from kvtier.connectors.hf_paged.layout import PagedLayout, make_layout
 from kvtier.connectors.hf_paged.models import check_model
 from kvtier.connectors.hf_paged.tickets import Tickets
-from kvtier.hashing import KeyContext, block_hashes_for, hash_block_tokens
+from kvtier.hashing import KeyContext, block_keys_for, key_block_tokens
 from kvtier.kernels import gather_blocks_to_paged, scatter_paged_to_blocks
+from kvtier.model_keys import kv_config_bytes, kv_config_fields
 from kvtier.store import LoadResult, TieredStore
-from kvtier.types import BlockHash, dtype_name
+from kvtier.types import BlockHash, Fingerprint, dtype_name
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class _Progress:
-    """A running request's kvtier chain: hashes of its full blocks so far, blocks stored."""
+    """A running request's kvtier chain: hashes and token fingerprints of its full blocks so
+    far, blocks stored."""
 
     hashes: list[BlockHash] = field(default_factory=list)
+    fingerprints: list[Fingerprint] = field(default_factory=list)
     stored: int = 0
 
 
@@ -122,6 +125,7 @@ class HFPagedConnector:
             model_id=model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__,
             model_revision=model_revision or weights_fingerprint(model), dtype=dtype_name(spec.dtype),
             kv_layout=spec.layout_name, block_size=config.block_size, cache_salt=cache_salt, hash_name=config.hash_name,
+            kv_config=kv_config_bytes(kv_config_fields(model.config, kv_cache_dtype=dtype_name(spec.dtype))),
         )
         store = TieredStore(spec, config, key_context.namespace(), device=model.device)
         try:
@@ -201,7 +205,7 @@ class HFPagedConnector:
         if request_id is None:
             request_id = f"kvtier-{next(self._ids)}"
         tokens = [int(t) for t in input_ids]
-        self.tickets.start(request_id, self.prompt_hashes(tokens))
+        self.tickets.start(request_id, *self.prompt_keys(tokens))
         added = original(tokens, request_id, *args, **kwargs)
         if added is None:  # refused (stopping, or not the TP driver)
             self.tickets.cancel(request_id)
@@ -211,7 +215,7 @@ class HFPagedConnector:
         """A request that reaches the waiting list without a ticket (a soft-reset one comes
         back with its output in its prompt) starts its prefetch here."""
         if not getattr(state, "is_cpu_offloaded", False) and not self.tickets.has(state.request_id):
-            self.tickets.start(state.request_id, self.prompt_hashes(state.initial_tokens))
+            self.tickets.start(state.request_id, *self.prompt_keys(state.initial_tokens))
         return original(state)
 
     def _waiting_candidates(self, original: Any) -> list[Any]:
@@ -223,11 +227,16 @@ class HFPagedConnector:
         if event is not None:
             event.set()
 
-    def prompt_hashes(self, tokens: Sequence[int]) -> list[BlockHash]:
-        """Hashes of the prompt's blocks a hit may cover: ``(len - 1) // block_size`` of them
-        (at least one token is always left to compute, case B1)."""
+    def prompt_keys(self, tokens: Sequence[int]) -> tuple[list[BlockHash], list[Fingerprint]]:
+        """Hashes and token fingerprints (:func:`kvtier.hashing.block_keys_for`) of the
+        prompt's blocks a hit may cover: ``(len - 1) // block_size`` of them (at least one
+        token is always left to compute, case B1). A load serves only blocks of these tokens."""
         usable = max(0, (len(tokens) - 1) // self.block_size) * self.block_size
-        return block_hashes_for(tokens[:usable], self.store.namespace, self.block_size, self.key_context.hash_name)
+        return block_keys_for(tokens[:usable], self.store.namespace, self.block_size, self.key_context.hash_name)
+
+    def prompt_hashes(self, tokens: Sequence[int]) -> list[BlockHash]:
+        """The hashes of :meth:`prompt_keys`."""
+        return self.prompt_keys(tokens)[0]
 
     # -- 3: admission ------------------------------------------------------------------------
     def _admit(self, original: Any, request_id: str, prompt_ids: list[int]) -> int:
@@ -239,7 +248,9 @@ class HFPagedConnector:
         total = matched
         try:
             if result is not None:
-                valid = _common_prefix(ticket.block_hashes, self.prompt_hashes(prompt_ids))
+                hashes, fingerprints = self.prompt_keys(prompt_ids)
+                valid = _common_prefix(list(zip(ticket.block_hashes, ticket.fingerprints)),
+                                       list(zip(hashes, fingerprints)))
                 total = self._load_rest(request_id, prompt_ids, matched, result, valid, sources)
         except Exception:
             self.admissions.stats.errors += 1
@@ -341,16 +352,18 @@ class HFPagedConnector:
                     scatter_paged_to_blocks(keys, values, _ids(src, pool), pool, _ids(dst, pool), check_ids=False)
 
         with torch.no_grad():
-            self.store.store_with(progress.hashes[:num_blocks], write)
+            self.store.store_with(progress.hashes[:num_blocks], write, fingerprints=progress.fingerprints[:num_blocks])
         self.admissions.stats.stored_blocks += num_blocks - progress.stored
         progress.stored = num_blocks
 
     def _extend_hashes(self, progress: _Progress, tokens: list[int], num_blocks: int) -> None:
         parent = progress.hashes[-1] if progress.hashes else self.store.namespace
+        parent_fp = progress.fingerprints[-1] if progress.fingerprints else self.store.namespace
         bs, hash_name = self.block_size, self.key_context.hash_name
         for i in range(len(progress.hashes), num_blocks):
-            parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], b"", hash_name)
+            parent, parent_fp = key_block_tokens(parent, parent_fp, tokens[i * bs : (i + 1) * bs], b"", hash_name)
             progress.hashes.append(parent)
+            progress.fingerprints.append(parent_fp)
 
     def _free(self, original: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
         self._progress.pop(request_id, None)
@@ -374,7 +387,7 @@ def _ids(values: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=like.device)
 
 
-def _common_prefix(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
+def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     n = 0
     for x, y in zip(a, b):
         if x != y:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvtier.store import LoadResult, TieredStore
-from kvtier.types import BlockHash
+from kvtier.types import BlockHash, Fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +30,13 @@ class Ticket:
 
     Attributes:
         block_hashes: the prompt's full blocks that may be loaded (at most ``(len - 1) // block_size``).
+        fingerprints: their token fingerprints (a load serves only blocks of these tokens).
         future: resolves to the :class:`LoadResult` (``None`` if nothing was asked).
         started_s: ``time.monotonic()`` at submission.
     """
 
     block_hashes: list[BlockHash]
+    fingerprints: list[Fingerprint]
     future: Future
     started_s: float = field(default_factory=time.monotonic)
 
@@ -81,17 +83,17 @@ class Tickets:
         self._tickets: dict[str, Ticket] = {}
         self._lock = threading.Lock()
 
-    def start(self, request_id: str, block_hashes: list[BlockHash]) -> None:
+    def start(self, request_id: str, block_hashes: list[BlockHash], fingerprints: list[Fingerprint]) -> None:
         """Start (or restart, for new tokens under the same id) the prefetch of a request."""
-        future = self._executor.submit(self._load, request_id, block_hashes)
+        future = self._executor.submit(self._load, request_id, block_hashes, fingerprints)
         future.add_done_callback(lambda _: self.on_done())
         with self._lock:
             old = self._tickets.pop(request_id, None)
-            self._tickets[request_id] = Ticket(block_hashes, future)
+            self._tickets[request_id] = Ticket(block_hashes, fingerprints, future)
         if old is not None:
             old.abandon()
 
-    def _load(self, request_id: str, block_hashes: list[BlockHash]) -> LoadResult | None:
+    def _load(self, request_id: str, block_hashes: list[BlockHash], fingerprints: list[Fingerprint]) -> LoadResult | None:
         """Prefetch and wait. A chain is cut where another request is bringing the same block
         into the top pool (the store never loads a block twice at once): concurrent requests
         with one shared prefix (N users, one system prompt) then wait for that load and try
@@ -101,7 +103,7 @@ class Tickets:
         deadline = time.monotonic() + self.deadline_s
         pause_s = 0.002
         while True:
-            result = self.store.prefetch(block_hashes, request_id=request_id).wait()
+            result = self.store.prefetch(block_hashes, request_id=request_id, fingerprints=fingerprints).wait()
             got = len(result.block_ids)
             if got == len(block_hashes) or time.monotonic() + pause_s > deadline:
                 return result

@@ -39,7 +39,7 @@ from typing import Any, Callable, List, Optional
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, PoolName
 
-from kvtier.connectors.sglang.keys import block_hashes, namespace_context
+from kvtier.connectors.sglang.keys import block_hashes, block_keys, namespace_context
 from kvtier.connectors.sglang.layout import PageLayout, page_layout_for
 from kvtier.connectors.sglang.options import BackendOptions
 from kvtier.store import TieredStore
@@ -278,10 +278,10 @@ class KVTierStorage(HiCacheStorage):
         it, two in flight: the I/O threads read chunk k+1 from DISK/REMOTE while this thread
         copies chunk k out (half the pool stays free for the backup thread's stores)."""
         store = self.store
-        hashes = block_hashes(self.namespace, keys)
+        hashes, fps = block_keys(self.namespace, keys)
         chunk = max(1, store.top.num_blocks // 4)
         starts = list(range(0, len(hashes), chunk))
-        pending = store.prefetch(hashes[:chunk]) if starts else None
+        pending = store.prefetch(hashes[:chunk], fingerprints=fps[:chunk]) if starts else None
         done = 0
         for n, start in enumerate(starts):
             want = min(chunk, len(hashes) - start)
@@ -289,7 +289,9 @@ class KVTierStorage(HiCacheStorage):
             pending = None
             try:
                 if len(result.block_ids) == want and n + 1 < len(starts):
-                    pending = store.prefetch(hashes[start + chunk : start + 2 * chunk])
+                    pending = store.prefetch(
+                        hashes[start + chunk : start + 2 * chunk], fingerprints=fps[start + chunk : start + 2 * chunk]
+                    )
                 top = store.top.tensor
                 for i, block_id in enumerate(result.block_ids):
                     dest(start + i).copy_(self.layout.block(top[block_id]))
@@ -312,11 +314,11 @@ class KVTierStorage(HiCacheStorage):
         "full" (a page acknowledged to SGLang, then lost when the CPU pool evicted it).
         """
         store = self.store
-        hashes = block_hashes(self.namespace, keys)
+        hashes, fps = block_keys(self.namespace, keys)
         chunk = max(1, store.top.num_blocks // 2)
         stored = 0
         for start in range(0, len(hashes), chunk):
-            handle = store.prepare_store(hashes[start : start + chunk])
+            handle = store.prepare_store(hashes[start : start + chunk], fps[start : start + chunk])
             ok = False
             try:
                 top = store.top.tensor

@@ -11,7 +11,11 @@ roots each backend in a namespace of everything that changes a page's bytes
 
 so two models, two ranks or two tenants (``cache_salt``) never read each other's pages, also
 on a shared REMOTE tier, while every engine with the same namespace (a restart, a replica)
-hits the same blocks. MLA pages are identical on every TP rank (SGLang writes them from one
+hits the same blocks. The page's token fingerprint (kvtier's verified hits: what every tier
+keeps with the block and a load checks) is, since SGLang hands kvtier keys rather than
+tokens, a digest of the key under its own domain: SGLang's key is a SHA-256 over the page's
+tokens and its prefix, so a page is served only to a request of the same key, whatever the
+block hash did (:func:`block_keys`). MLA pages are identical on every TP rank (SGLang writes them from one
 rank), so an MLA namespace has no TP rank or size.
 """
 
@@ -23,9 +27,10 @@ from typing import Any
 
 from kvtier.connectors.sglang.layout import PageLayout
 from kvtier.hashing import KeyContext
-from kvtier.types import BlockHash, dtype_name
+from kvtier.types import BlockHash, Fingerprint, dtype_name
 
 _DOMAIN = b"kvtier/sglang-page/v1"
+_FINGERPRINT_DOMAIN = b"kvtier/sglang-page-tokens/v1"
 MAX_KEY_CHARS = 1024
 """Longest page key accepted (SGLang's are 64 hex characters, plus a pool suffix for v2)."""
 
@@ -67,10 +72,23 @@ def block_hashes(namespace: bytes, keys: Sequence[str]) -> list[BlockHash]:
     Raises:
         ValueError: a key that is not a non-empty string of at most ``MAX_KEY_CHARS``.
     """
-    out: list[BlockHash] = []
+    return block_keys(namespace, keys)[0]
+
+
+def block_keys(namespace: bytes, keys: Sequence[str]) -> tuple[list[BlockHash], list[Fingerprint]]:
+    """kvtier block hashes and token fingerprints of SGLang page keys, in order (module
+    docstring).
+
+    Raises:
+        ValueError: a key that is not a non-empty string of at most ``MAX_KEY_CHARS``.
+    """
+    hashes: list[BlockHash] = []
+    fingerprints: list[Fingerprint] = []
     for key in keys:
         if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_CHARS:
             got = f"str of length {len(key)}" if isinstance(key, str) else type(key).__name__
             raise ValueError(f"expected SGLang page keys as strings of 1..{MAX_KEY_CHARS} characters, got {got}")
-        out.append(BlockHash(hashlib.sha256(_DOMAIN + namespace + key.encode("utf-8")).digest()))
-    return out
+        encoded = namespace + key.encode("utf-8")
+        hashes.append(BlockHash(hashlib.sha256(_DOMAIN + encoded).digest()))
+        fingerprints.append(Fingerprint(hashlib.sha256(_FINGERPRINT_DOMAIN + encoded).digest()))
+    return hashes, fingerprints

@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connectors.vllm.groups import check_kv_cache_groups
-from kvtier.connectors.vllm.keys import EngineKey, model_revision_for
+from kvtier.connectors.vllm.keys import EngineKey, kv_config_for, model_revision_for
 from kvtier.connectors.vllm.layout import FLASH_BACKENDS, cpu_attn_isa, flash_layout_name, layout_name
 from kvtier.connectors.vllm.lookup import LookupClient, socket_path
 from kvtier.connectors.vllm.metadata import KVTierMetadata
@@ -81,6 +81,7 @@ def engine_key_for(vllm_config: VllmConfig, options: ConnectorOptions) -> Engine
         block_size=vllm_config.cache_config.block_size,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
         hash_name=options.store.hash_name,
+        kv_config=kv_config_for(vllm_config),
     )
 
 

@@ -10,7 +10,7 @@ A starting server removes the sockets of killed engines from that directory.
 
 Messages are msgpack arrays, one request and one reply at a time per connection::
 
-    request: ["match", request_id, [block_hash, ...], wait_s]
+    request: ["match", request_id, [block_hash, ...], wait_s, [fingerprint, ...]]
     reply:   [num_blocks | None, [medium, ...]]     None: a load is still in flight
     request: ["drop", request_id]  ->  reply: [0, []]
     request: ["reset", ""]         ->  reply: [0, []]   every tier of the worker's store emptied
@@ -38,8 +38,9 @@ MatchReply = tuple["int | None", list[str]]
 """``(num_blocks, media)``: leading blocks ready in the worker's CPU pool (``None``: not yet
 known, ask again), and the medium each came from."""
 
-Handler = Callable[[str, str, list[bytes], float], MatchReply]
-"""``handler(op, request_id, block_hashes, wait_s)`` run by the server for each request."""
+Handler = Callable[[str, str, list[bytes], float, "list[bytes] | None"], MatchReply]
+"""``handler(op, request_id, block_hashes, wait_s, fingerprints)`` run by the server for each
+request (``fingerprints``: the blocks' token fingerprints, ``None`` when not sent)."""
 
 
 def socket_dir() -> str:
@@ -114,8 +115,12 @@ class LookupServer:
                     logger.warning("kvtier lookup: malformed request; closing the connection", exc_info=True)
                     return
                 try:
-                    op, request_id, hashes, wait_s = (list(message) + [[], 0.0])[:4]
-                    reply = self._handler(str(op), str(request_id), [bytes(h) for h in hashes], float(wait_s))
+                    op, request_id, hashes, wait_s, fingerprints = _request_fields(message)
+                    if fingerprints is not None:
+                        fingerprints = [bytes(f) for f in fingerprints]
+                    reply = self._handler(
+                        str(op), str(request_id), [bytes(h) for h in hashes], float(wait_s), fingerprints
+                    )
                 except Exception:
                     logger.exception("kvtier lookup: handler failed; answering a miss")
                     reply = (0, [])
@@ -136,6 +141,14 @@ class LookupServer:
             pass
 
 
+def _request_fields(message: list) -> tuple:
+    """``(op, request_id, block_hashes, wait_s, fingerprints)`` of a request, the fields it
+    does not carry at their defaults (a drop carries two)."""
+    defaults = ["", "", [], 0.0, None]
+    fields = list(message)[:5]
+    return tuple(fields + defaults[len(fields) :])
+
+
 class LookupClient:
     """The scheduler's end: one connection per TP rank's server, opened lazily.
 
@@ -150,10 +163,17 @@ class LookupClient:
         self._lock = threading.Lock()
         self._last_warning = 0.0
 
-    def match(self, request_id: str, hashes_by_rank: list[list[bytes]], wait_s: float) -> MatchReply:
-        """Ask every rank; the answer is the shortest prefix any rank can supply (``None``
-        while any rank is still loading). Unreachable or silent ranks count as a miss."""
-        replies = self._ask_all([["match", request_id, hashes, wait_s] for hashes in hashes_by_rank])
+    def match(
+        self, request_id: str, hashes_by_rank: list[list[bytes]], wait_s: float,
+        fingerprints_by_rank: list[list[bytes]] | None = None,
+    ) -> MatchReply:
+        """Ask every rank (with the blocks' token fingerprints on that rank, checked by its
+        store); the answer is the shortest prefix any rank can supply (``None`` while any
+        rank is still loading). Unreachable or silent ranks count as a miss."""
+        fingerprints = fingerprints_by_rank or [None] * len(hashes_by_rank)
+        replies = self._ask_all(
+            [["match", request_id, hashes, wait_s, fps] for hashes, fps in zip(hashes_by_rank, fingerprints)]
+        )
         if replies is None:
             return 0, []
         if any(n is None for n, _ in replies):

@@ -28,11 +28,13 @@ class SaveSpec:
         req_id: the request.
         block_hashes: per TP rank (index = rank), the blocks' hashes in chain order.
         block_ids: vLLM block ids holding them (``[num_blocks]``).
+        fingerprints: per TP rank, the blocks' token fingerprints (kept with each block).
     """
 
     req_id: str
     block_hashes: list[list[bytes]]
     block_ids: list[int]
+    fingerprints: list[list[bytes]] = field(default_factory=list)
 
 
 @dataclass

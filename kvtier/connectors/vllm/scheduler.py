@@ -4,7 +4,8 @@ Per request (vLLM calls, in this order):
 
 1. ``get_num_new_matched_tokens(request, num_computed_tokens)``: hash the request's full
    blocks (at most ``(num_tokens - 1) // block_size``: prefill always keeps at least one token)
-   and ask every worker for the blocks after the ``num_computed_tokens`` vLLM already holds.
+   and ask every worker for the blocks after the ``num_computed_tokens`` vLLM already holds
+   (with their token fingerprints: a block of other tokens is never counted).
    The worker pins them and starts reading any that are on DISK/REMOTE into its CPU pool;
    until that is done the answer is ``None`` and vLLM retries the request next step while it
    serves others. The final answer counts only blocks that arrived and were verified, so a
@@ -27,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.connectors.vllm.keys import EngineKey, HashChain, request_chains
+from kvtier.connectors.vllm.keys import EngineKey, HashChain, request_chains, request_media
 from kvtier.connectors.vllm.lookup import LookupClient
 from kvtier.connectors.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec
 
@@ -56,8 +57,9 @@ class _RequestState:
 
 
 def cacheable(request: Any) -> bool:
-    """Token-only requests; multimodal inputs and prompt embeddings are not keyed yet."""
-    return not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
+    """Requests whose every input is keyed: token ids, and media items with a vLLM identifier
+    (:func:`~kvtier.connectors.vllm.keys.request_media`); prompt embeddings are not keyed."""
+    return getattr(request, "prompt_embeds", None) is None and request_media(request) is not None
 
 
 class SchedulerSide:
@@ -101,8 +103,9 @@ class SchedulerSide:
             self._release_match(state)
             return 0, False
         tokens = request.all_token_ids
-        hashes = [chain.upto(tokens, max_blocks)[start:] for chain in state.chains]
-        num_blocks, media = self.client.match(request.request_id, hashes, self.match_wait_s)
+        keys = [chain.keys_upto(tokens, max_blocks) for chain in state.chains]
+        hashes, fingerprints = [h[start:] for h, _ in keys], [f[start:] for _, f in keys]
+        num_blocks, media = self.client.match(request.request_id, hashes, self.match_wait_s, fingerprints)
         if num_blocks is None:
             return None, False
         state.match = _Match(start, num_blocks, media) if num_blocks else None
@@ -167,8 +170,10 @@ class SchedulerSide:
         full = min(full, len(block_ids))
         if full <= state.saved_blocks:
             return
-        hashes = [chain.upto(tokens, full)[state.saved_blocks :] for chain in state.chains]
-        meta.saves.append(SaveSpec(req_id, hashes, list(block_ids[state.saved_blocks : full])))
+        keys = [chain.keys_upto(tokens, full) for chain in state.chains]
+        hashes = [h[state.saved_blocks :] for h, _ in keys]
+        fingerprints = [f[state.saved_blocks :] for _, f in keys]
+        meta.saves.append(SaveSpec(req_id, hashes, list(block_ids[state.saved_blocks : full]), fingerprints))
         state.saved_blocks = full
 
     def request_finished(self, request: Any) -> dict[str, Any] | None:

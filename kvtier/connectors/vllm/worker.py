@@ -8,7 +8,8 @@ Protocol per request (see :mod:`kvtier.connectors.vllm.scheduler` for the schedu
   recomputes it); a save prepared before it publishes nothing.
 - ``match`` (lookup server thread): ``store.prefetch`` pins the cached chain and starts
   reading DISK/REMOTE blocks into the CPU pool; the answer is the number of blocks that
-  arrived and were verified, once the reads are done. The blocks stay pinned in a *ticket*
+  arrived and were verified (checksum, and the request's token fingerprints), once the
+  reads are done. The blocks stay pinned in a *ticket*
   under the request id until a load takes them or the request goes away.
 - ``start_load_kv``: turn this step's :class:`LoadSpec` s into one copy plan (CPU pool slots
   -> vLLM block ids). A block the ticket does not hold (the ticket was released, or fewer
@@ -66,6 +67,7 @@ class _Ticket:
 
     block_hashes: list[bytes]
     handle: PrefetchHandle
+    fingerprints: list[bytes] | None = None
 
     def release(self) -> None:
         self.handle.wait().lease.release()
@@ -182,8 +184,11 @@ class WorkerSide:
         )
 
     # -- lookups (server thread) ---------------------------------------------------------------
-    def handle(self, op: str, req_id: str, block_hashes: list[bytes], wait_s: float) -> MatchReply:
-        """Answer one lookup request (see :mod:`kvtier.connectors.vllm.lookup`)."""
+    def handle(
+        self, op: str, req_id: str, block_hashes: list[bytes], wait_s: float, fingerprints: list[bytes] | None = None
+    ) -> MatchReply:
+        """Answer one lookup request (see :mod:`kvtier.connectors.vllm.lookup`); the blocks
+        are loaded only if they carry ``fingerprints`` (the request's tokens)."""
         if op == "drop":
             self._drop(req_id)
             return 0, []
@@ -193,15 +198,18 @@ class WorkerSide:
         if op != "match":
             raise ValueError(f"expected op 'match', 'drop' or 'reset', got {op!r}")
         assert self.store is not None, "lookup before register_kv_caches"
+        keys = (block_hashes, fingerprints)
         with self._lock:
             ticket = self._tickets.get(req_id)
-            if ticket is not None and ticket.block_hashes != block_hashes:  # vLLM's own hit moved
+            stale = ticket is not None and (ticket.block_hashes, ticket.fingerprints) != keys  # vLLM's hit moved
+            if stale:
                 del self._tickets[req_id]
-        if ticket is not None and ticket.block_hashes != block_hashes:
+        if stale:
             ticket.release()  # first: its pending slots would cut the new prefetch short
             ticket = None
         if ticket is None:
-            ticket = _Ticket(block_hashes, self.store.prefetch(block_hashes, request_id=req_id))
+            handle = self.store.prefetch(block_hashes, request_id=req_id, fingerprints=fingerprints)
+            ticket = _Ticket(block_hashes, handle, fingerprints)
             with self._lock:
                 self._tickets[req_id] = ticket
             self.counters.matches += 1
@@ -368,18 +376,21 @@ class WorkerSide:
         self._poll(wait=True)
         empty = torch.empty(0, dtype=torch.int64)
         hashes: list[bytes] = []
+        fingerprints: list[bytes] = []
         paged: list[int] = []
         seen: set[bytes] = set()
         for spec in meta.saves:
-            for block_hash, block_id in zip(spec.block_hashes[self.tp_rank], spec.block_ids):
+            rank_fps = spec.fingerprints[self.tp_rank]
+            for block_hash, fingerprint, block_id in zip(spec.block_hashes[self.tp_rank], rank_fps, spec.block_ids):
                 if block_hash in seen or self.store.medium_of(block_hash) is not None:
                     continue
                 seen.add(block_hash)
                 hashes.append(block_hash)
+                fingerprints.append(fingerprint)
                 paged.append(block_id)
         if not hashes:
             return _StepSave(None, empty, empty, [])
-        handle = self.store.prepare_store(hashes)
+        handle = self.store.prepare_store(hashes, fingerprints)
         self.counters.save_skipped_blocks += len(hashes) - handle.num_blocks
         return _StepSave(
             handle,

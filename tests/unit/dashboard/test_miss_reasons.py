@@ -184,8 +184,10 @@ def test_failed_verification_then_after_gap(tmp_path, explain_cli):
 
 def test_a_verification_reason_added_later_is_a_failed_verification():
     """Reasons come from the load-failure strings, not a closed list: only transport
-    failures are something else."""
-    assert misses.load_failure_reason("DISK", "token_mismatch") == misses.FAILED_VERIFICATION
+    failures and a token mismatch (its own reason) are something else."""
+    assert misses.load_failure_reason("DISK", "some_check_added_later") == misses.FAILED_VERIFICATION
+    assert misses.load_failure_reason("DISK", "token_mismatch") == misses.TOKEN_MISMATCH
+    assert misses.load_failure_reason("REMOTE", "token_mismatch") == misses.TOKEN_MISMATCH
     assert misses.load_failure_reason("REMOTE", "corrupt") == misses.FAILED_VERIFICATION
     assert misses.load_failure_reason("REMOTE", "timeout") == misses.REMOTE_UNAVAILABLE
     assert misses.load_failure_reason("DISK", "missing") == misses.LOAD_FAILED

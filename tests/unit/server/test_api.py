@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 from kvtier.app.cli import main
-from kvtier.records import encode_header
+from kvtier.records import HEADER_NBYTES, encode_header
 from kvtier.server.app import REGISTRY, SETTINGS
 from kvtier.server.layout import MARKER_FILE, SPEC_FILE
 from kvtier.server.settings import ServeConfig
@@ -240,8 +240,8 @@ async def test_a_put_frame_with_a_bad_checksum_is_not_stored(make_api):
     await register(client)
     hs, blocks = hashes(3), random_blocks(SPEC, 3, seed=6)
     body = bytearray(frames(NAMESPACE, hs, blocks))
-    frame_nbytes = 1 + 32 + 96 + SPEC.block_nbytes
-    body[frame_nbytes + 1 + 32 + 96 + 7] ^= 0x10  # one payload bit of frame 1
+    frame_nbytes = 1 + 32 + HEADER_NBYTES + SPEC.block_nbytes
+    body[frame_nbytes + 1 + 32 + HEADER_NBYTES + 7] ^= 0x10  # one payload bit of frame 1
     response = await client.post(ns_url(NAMESPACE, "put"), data=bytes(body))
     assert msgpack.unpackb(await response.read())["stored"] == [True, False, True]
     assert (await lookup(client, hs))["num_blocks"] == 1
@@ -359,7 +359,7 @@ BAD_INPUTS = [
     ("register: groups, wrong block_shape", "PUT", ns_url(b"\x05" * 32), _grouped(block_shape=[480]), 400),
     ("register: 300 groups", "PUT", ns_url(b"\x05" * 32), _grouped(groups=[{}] * 300), 400),
     ("put: hash length 5", "POST", ns_url(NAMESPACE, "put"), b"\x05abcde" + bytes(100), 400),
-    ("put: garbage header", "POST", ns_url(NAMESPACE, "put"), _frame(header=b"\x01" * 96) + END, 400),
+    ("put: garbage header", "POST", ns_url(NAMESPACE, "put"), _frame(header=b"\x01" * HEADER_NBYTES) + END, 400),
     ("put: other namespace in the record", "POST", ns_url(NAMESPACE, "put"), _frame(namespace=b"\x02" * 32) + END, 400),
     ("put: wrong dtype", "POST", ns_url(NAMESPACE, "put"),
      _frame(block=torch.zeros(SPEC.block_shape, dtype=torch.float16), body=bytes(256)) + END, 400),

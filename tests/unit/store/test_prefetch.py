@@ -42,10 +42,10 @@ def test_a_failed_read_is_a_miss_for_it_and_after(make_store, monkeypatch):
     store, hashes, blocks = to_disk_only(make_store, 6)
     real = DiskTier.read_into
 
-    def flaky(self, h, ns, out):
+    def flaky(self, h, ns, out, fingerprint=None):
         if h == hashes[3]:
             raise OSError("EIO")
-        return real(self, h, ns, out)
+        return real(self, h, ns, out, fingerprint)
 
     monkeypatch.setattr(DiskTier, "read_into", flaky)
     result = store.load(hashes)
@@ -60,7 +60,7 @@ def test_a_failed_read_is_a_miss_for_it_and_after(make_store, monkeypatch):
 
 def test_corrupt_read_drops_the_record_and_counts_once(make_store, monkeypatch):
     store, hashes, _ = to_disk_only(make_store, 4)
-    monkeypatch.setattr(DiskTier, "read_into", lambda self, h, ns, out: ReadStatus.CORRUPT if h == hashes[1] else ReadStatus.OK)
+    monkeypatch.setattr(DiskTier, "read_into", lambda self, h, ns, out, fingerprint=None: ReadStatus.CORRUPT if h == hashes[1] else ReadStatus.OK)
     result = store.load(hashes)
     result.lease.release()
     assert len(result.block_ids) == 1

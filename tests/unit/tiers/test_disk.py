@@ -188,3 +188,32 @@ def test_concurrent_rewrite_and_read_of_one_block_gives_whole_block_or_miss(tmp_
     assert seen.count("ok") > 0 and len(seen) == 600
     tier.check()
     tier.close()
+
+
+def test_another_versions_records_survive_opening_the_directory(tmp_path):
+    """A release of another record format version opening a DISK directory must not wipe
+    it (issue 11): its records are kept (never served), counted, and make way for new ones.
+    Version ``+1`` stands for the next release's records."""
+    import struct
+
+    from kvtier.records import encode_record
+
+    tier = DiskTier(tmp_path, 1 << 20)
+    tier.close()
+    value = bytearray(encode_record(NS, blocks(1)[0], 1))
+    (version,) = struct.unpack_from("<H", value, 4)
+    struct.pack_into("<H", value, 4, version + 1)
+    key = hashes(1)[0]
+    env = lmdb.open(str(tmp_path), map_size=1 << 24)
+    with env.begin(write=True) as txn:
+        txn.put(key, bytes(value))
+    env.close()
+    tier = DiskTier(tmp_path, 1 << 20)
+    assert key not in tier and len(tier) == 0  # a miss
+    assert tier.used_bytes == record_footprint(blocks(1)[0].numel() * 4)  # counted
+    tier.check()
+    tier.close()
+    env = lmdb.open(str(tmp_path), map_size=1 << 24)
+    with env.begin() as txn:
+        assert txn.get(key) == bytes(value)  # kept as it was
+    env.close()
