@@ -193,6 +193,21 @@ def block_hashes_for(
     Raises:
         ValueError: negative token ids, a bad ``block_size`` or ``extra_keys`` length.
     """
+    tokens, num_blocks = _full_blocks(token_ids, block_size, extra_keys)
+    hashes: list[BlockHash] = []
+    parent = namespace
+    for i in range(num_blocks):
+        extra = extra_keys[i] if extra_keys is not None else b""
+        parent = hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size], extra, hash_name)
+        hashes.append(parent)
+    return hashes
+
+
+def _full_blocks(
+    token_ids: Sequence[int] | np.ndarray, block_size: int, extra_keys: Sequence[bytes] | None
+) -> tuple[np.ndarray, int]:
+    """``token_ids`` as int64 and the number of full blocks, checked (the errors of
+    :func:`block_hashes_for`)."""
     if block_size <= 0:
         raise ValueError(f"expected block_size > 0, got {block_size}")
     tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
@@ -201,13 +216,7 @@ def block_hashes_for(
     num_blocks = tokens.size // block_size
     if extra_keys is not None and len(extra_keys) != num_blocks:
         raise ValueError(f"expected {num_blocks} extra_keys entries, got {len(extra_keys)}")
-    hashes: list[BlockHash] = []
-    parent = namespace
-    for i in range(num_blocks):
-        extra = extra_keys[i] if extra_keys is not None else b""
-        parent = hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size], extra, hash_name)
-        hashes.append(parent)
-    return hashes
+    return tokens, num_blocks
 
 
 def block_keys_for(
@@ -221,14 +230,7 @@ def block_keys_for(
     ``token_ids``, in one pass over the tokens: what a connector hands the store on a load
     (expected) and on a store (kept with each block). Same arguments and errors as
     :func:`block_hashes_for`."""
-    if block_size <= 0:
-        raise ValueError(f"expected block_size > 0, got {block_size}")
-    tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-    if tokens.size and int(tokens.min()) < 0:
-        raise ValueError(f"expected non-negative token ids, got min {int(tokens.min())}")
-    num_blocks = tokens.size // block_size
-    if extra_keys is not None and len(extra_keys) != num_blocks:
-        raise ValueError(f"expected {num_blocks} extra_keys entries, got {len(extra_keys)}")
+    tokens, num_blocks = _full_blocks(token_ids, block_size, extra_keys)
     hashes: list[BlockHash] = []
     fingerprints: list[Fingerprint] = []
     parent, parent_fp = namespace, namespace

@@ -77,7 +77,7 @@ from kvtier.store import PrefetchHandle, ResetResult, TieredStore
 from kvtier.store.misses import Explanation
 from kvtier.store.results import PromptInfo
 from kvtier.tiers.backend import RemoteBackend
-from kvtier.types import BlockHash, Medium, dtype_name
+from kvtier.types import BlockHash, KVSpec, Medium, dtype_name
 
 __all__ = ["HFConnector", "PrefetchTicket", "PrefillPlan", "UnsupportedModelError", "cache_kwarg", "kv_spec_for",
            "weights_fingerprint"]
@@ -178,6 +178,20 @@ class PrefillPlan:
         return f"{self.num_cached_tokens} cached tokens" + (f" ({tiers})" if tiers else "")
 
 
+def check_store_matches(spec: KVSpec, store: TieredStore, key_context: KeyContext) -> None:
+    """A connector's store must hold ``spec``'s blocks under ``key_context``'s namespace.
+
+    Raises:
+        ValueError: another spec, layout name, block size or namespace.
+    """
+    if spec != store.spec:
+        raise ValueError(f"expected a store for {spec}, got {store.spec}")
+    if key_context.kv_layout != spec.layout_name:
+        raise ValueError(f"expected key_context.kv_layout {spec.layout_name!r}, got {key_context.kv_layout!r}")
+    if key_context.block_size != spec.block_size or key_context.namespace() != store.namespace:
+        raise ValueError("expected the store's namespace to be key_context.namespace()")
+
+
 class HFConnector:
     """Connects one transformers model to a :class:`TieredStore`.
 
@@ -197,12 +211,7 @@ class HFConnector:
 
     def __init__(self, model: torch.nn.Module, store: TieredStore, key_context: KeyContext) -> None:
         spec = kv_spec_for(model, store.spec.block_size)
-        if spec != store.spec:
-            raise ValueError(f"expected a store for {spec}, got {store.spec}")
-        if key_context.kv_layout != spec.layout_name:
-            raise ValueError(f"expected key_context.kv_layout {spec.layout_name!r}, got {key_context.kv_layout!r}")
-        if key_context.block_size != spec.block_size or key_context.namespace() != store.namespace:
-            raise ValueError("expected the store's namespace to be key_context.namespace()")
+        check_store_matches(spec, store, key_context)
         self.model, self.store, self.key_context = model, store, key_context
         self.namespace = store.namespace
         self.block_size = spec.block_size

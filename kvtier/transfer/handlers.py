@@ -205,30 +205,6 @@ class RemoteHandler(_IOHandler):
         return JobResult(job.job_id, ok, reasons, sum(ok) * self.pool.spec.block_nbytes)
 
 
-def register_handlers(
-    engine: TransferEngine, pools: list[BlockPool], disk: DiskTier | None, remote: RemoteBackend | None,
-    namespace: bytes, executor: ThreadPoolExecutor,
-) -> TransferEngine:
-    """Register a handler for every (source, destination) medium pair a store uses."""
-    for upper, lower in zip(pools, pools[1:]):
-        # loads record one event per layer, so layer i can be used before layer i+1 lands
-        engine.register(lower.medium, upper.medium, PoolCopyHandler(lower, upper, per_layer=True))
-        engine.register(upper.medium, lower.medium, PoolCopyHandler(upper, lower))
-    host_pools = [p for p in pools if p.tensor.device.type == "cpu"]
-    if disk is not None:
-        for pool in host_pools:
-            handler = DiskHandler(disk, pool, namespace, executor)
-            engine.register(Medium.DISK, pool.medium, handler)
-            engine.register(pool.medium, Medium.DISK, handler)
-    if remote is not None:
-        for pool in pools:
-            handler = RemoteHandler(remote, pool, namespace, executor)
-            engine.register(pool.medium, Medium.REMOTE, handler)
-            if pool in host_pools:
-                engine.register(Medium.REMOTE, pool.medium, handler)
-    return engine
-
-
 def slot_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """``(src, dst, length)`` runs where both slot ids advance by one: one copy each."""
     runs: list[tuple[int, int, int]] = []

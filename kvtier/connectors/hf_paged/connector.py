@@ -42,7 +42,7 @@ from typing import Any, Sequence
 import torch
 
 from kvtier.config import StoreConfig
-from kvtier.connectors.hf import weights_fingerprint
+from kvtier.connectors.hf import check_store_matches, weights_fingerprint
 from kvtier.connectors.hf_cache import UnsupportedModelError
 from kvtier.connectors.hf_paged.admissions import PAGED, Admission, Admissions
 from kvtier.connectors.hf_paged.compat import check_transformers
@@ -89,12 +89,7 @@ class HFPagedConnector:
                  load_deadline_s: float = 2.0) -> None:
         self.generation = check_transformers()
         spec = check_model(model, store.spec.block_size)
-        if spec != store.spec:
-            raise ValueError(f"expected a store for {spec}, got {store.spec}")
-        if key_context.kv_layout != spec.layout_name:
-            raise ValueError(f"expected key_context.kv_layout {spec.layout_name!r}, got {key_context.kv_layout!r}")
-        if key_context.block_size != spec.block_size or key_context.namespace() != store.namespace:
-            raise ValueError("expected the store's namespace to be key_context.namespace()")
+        check_store_matches(spec, store, key_context)
         if not 0 <= load_deadline_s < float("inf"):
             raise ValueError(f"expected load_deadline_s >= 0 seconds, got {load_deadline_s!r}")
         self.model, self.store, self.key_context = model, store, key_context
