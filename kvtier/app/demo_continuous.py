@@ -173,9 +173,10 @@ def run_continuous_demo(options: DemoOptions, config: StoreConfig, cont: Continu
         run_s = time.perf_counter() - t_run
     turns = [_turn(u + 1, t + 1, without[u, t], with_kv[u, t]) for u, t in sorted(without)]
     report = ContinuousReport(options, model_id, config.data_dir, turns, skipped, disk_before, disk_after, load_s,
-                              run_s, config.block_size, (load_before, _load_average()), cont.users,
-                              {"without": concurrency(without, without_s), "with": concurrency(with_kv, with_s),
-                               "page_size": cont.engine.page_size, "think_s": cont.think_s})
+                              run_s, config.block_size, [load_before, _load_average()], users=cont.users,
+                              concurrency={"without": concurrency(without, without_s),
+                                           "with": concurrency(with_kv, with_s),
+                                           "page_size": cont.engine.page_size, "think_s": cont.think_s})
     return report
 
 
