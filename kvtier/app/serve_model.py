@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import signal
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -30,6 +29,7 @@ from aiohttp import web
 
 from kvtier.app.cb_engine import ContinuousEngine
 from kvtier.app.openai_api import ApiError, ChatRequest, Limits, chunk, completion, completion_id, parse_chat_request, usage
+from kvtier.server.serve import until_stopped
 
 logger = logging.getLogger(__name__)
 
@@ -236,11 +236,7 @@ async def _serve(engine: ContinuousEngine, limits: Limits, settings: ServeModelS
         mode = "with kvtier" if engine.connector is not None else "WITHOUT kvtier (transformers' own prefix sharing)"
         announce(f"kvtier serve-model: {limits.model_names[0]} on http://{host}:{port}/v1 ({mode}, "
                  f"{engine.options.sampling} decoding, page size {engine.options.page_size})")
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await until_stopped()
     finally:
         await runner.cleanup()
 

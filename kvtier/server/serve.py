@@ -57,11 +57,7 @@ async def _serve(settings: ServeConfig, announce: Callable[[str], None]) -> None
         announce(f"kvtier serve: listening on {' '.join(running.urls)} (data {registry.data_dir}, "
                  f"{len(registry.namespaces)} namespaces reopened, auth {auth}, durable puts "
                  f"{'on' if settings.durable else 'off'})")
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await until_stopped()
     finally:
         await running.stop()
 
@@ -87,6 +83,15 @@ class Running:
                     os.unlink(self.unix_socket)
                 except FileNotFoundError:
                     pass
+
+
+async def until_stopped() -> None:
+    """Return once the process gets SIGINT or SIGTERM (the servers then shut down in order)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
 
 
 async def start(settings: ServeConfig) -> Running:

@@ -158,9 +158,7 @@ class HFPagedConnector:
             raise ValueError(f"expected a page size that is a multiple of block_size {self.block_size}, got {page_size}")
         self._manager = manager
         self._hooks.wrap(manager, "add_request", self._add_request)
-        self._hooks.wrap(manager, "_create_batch_processor", self._create_batch_processor)
-        if manager.batch_processor is not None:  # warmed up already
-            self._install(manager.batch_processor)
+        self._hooks.on_batch_processors(manager, self._install)
 
     def detach(self) -> None:
         """Remove every hook (the manager goes on without kvtier). Idempotent."""
@@ -173,12 +171,6 @@ class HFPagedConnector:
         self.detach()
         self.tickets.close()
         self.store.close()
-
-    def _create_batch_processor(self, original: Any) -> Any:
-        processor = original()
-        if not self._hooks.installed_on(processor.cache):
-            self._install(processor)
-        return processor
 
     def _install(self, processor: Any) -> None:
         cache, scheduler = processor.cache, processor.scheduler

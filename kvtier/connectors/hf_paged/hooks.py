@@ -37,6 +37,25 @@ class Hooks:
         setattr(obj, name, hooked)
         self._installed.append((obj, name))
 
+    def on_batch_processors(self, manager: Any, install: Callable[[Any], None]) -> None:
+        """Call ``install(processor)`` once for every batch processor of ``manager``: the
+        current one (a warmed-up manager) and each one it creates later (transformers builds a
+        new processor, with a new cache, per ``start()``).
+
+        Raises:
+            AttributeError: as :meth:`wrap`.
+        """
+
+        def create(original: Any) -> Any:
+            processor = original()
+            if not self.installed_on(processor.cache):
+                install(processor)
+            return processor
+
+        self.wrap(manager, "_create_batch_processor", create)
+        if manager.batch_processor is not None:
+            install(manager.batch_processor)
+
     def installed_on(self, obj: Any) -> bool:
         return any(o is obj for o, _ in self._installed)
 

@@ -22,18 +22,10 @@ class PrefixProbe:
         self._hooks = Hooks()
 
     def attach(self, manager: Any) -> None:
-        self._hooks.wrap(manager, "_create_batch_processor", self._create_batch_processor)
-        if manager.batch_processor is not None:
-            self._install(manager.batch_processor)
+        self._hooks.on_batch_processors(manager, self._install)
 
     def detach(self) -> None:
         self._hooks.restore()
-
-    def _create_batch_processor(self, original: Any) -> Any:
-        processor = original()
-        if not self._hooks.installed_on(processor.cache):
-            self._install(processor)
-        return processor
 
     def _install(self, processor: Any) -> None:
         self._hooks.wrap(processor.cache, "search_prefix_match", self._admit)
