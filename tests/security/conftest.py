@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.server.conftest import SPEC, ThreadDaemon, ns_url, serve_settings, spawn  # noqa: F401 (a fixture)
+from tests.unit.server.conftest import (  # noqa: F401 (spawn: a fixture)
+    SPEC, LoopbackServer, ThreadDaemon, ns_url, serve_settings, spawn,
+)
 from kvtier.wire import FRAMES, MSGPACK, pack, spec_to_wire
 
 ADMIN = "admin-token-0123456789abcdef"
@@ -153,36 +155,17 @@ def closed_within(sock: socket.socket, seconds: float) -> float | None:
 
 
 # -- a hostile daemon ------------------------------------------------------------------------------
-class FakeDaemon:
-    """A TCP server on 127.0.0.1 whose every connection runs ``handler(sock, request_bytes)``
+class FakeDaemon(LoopbackServer):
+    """A TCP server on ``host`` whose every connection runs ``handler(sock, request_bytes)``
     after reading the request head (and its Content-Length body). Records every byte received."""
 
     def __init__(self, handler: Callable[[socket.socket, bytes], None], host: str = "127.0.0.1") -> None:
         self.handler = handler
         self.received = bytearray()
         self.sent = 0
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._server = socket.socket(family, socket.SOCK_STREAM)
-        self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._server.bind((host, 0))
-        self._server.listen(64)
-        self.port = self._server.getsockname()[1]
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(host)
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    def on_connection(self, conn: socket.socket) -> None:
         with conn:
             try:
                 while True:
@@ -204,6 +187,3 @@ class FakeDaemon:
             except OSError:
                 return
 
-    def close(self) -> None:
-        self._closed = True
-        self._server.close()

@@ -238,15 +238,16 @@ def spawn(tmp_path):
         daemon.kill()
 
 
-class CorruptingProxy:
-    """A TCP proxy to ``port`` that flips one bit in the middle of every occurrence of
-    ``pattern`` in the direction(s) asked (``to_client``: responses, ``to_server``: requests)."""
+class LoopbackServer:
+    """A TCP server on ``host`` (port 0) whose accept loop runs ``on_connection(sock)`` on a
+    thread per connection until :meth:`close` (the test doubles below build on it)."""
 
-    def __init__(self, port: int, pattern: bytes, to_client: bool = True, to_server: bool = False) -> None:
-        self.target, self.pattern = port, pattern
-        self.directions = (to_client, to_server)
-        self.flips = 0
-        self._server = socket.create_server(("127.0.0.1", 0))
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._server = socket.socket(family, socket.SOCK_STREAM)
+        self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._server.bind((host, 0))
+        self._server.listen(64)
         self.port = self._server.getsockname()[1]
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
@@ -255,19 +256,36 @@ class CorruptingProxy:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    @property
-    def unix_url(self) -> str:
-        return f"unix://{self.settings.unix_socket}"
+    def on_connection(self, conn: socket.socket) -> None:
+        raise NotImplementedError
 
     def _accept(self) -> None:
         while not self._closed:
             try:
-                client, _ = self._server.accept()
+                conn, _ = self._server.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(("127.0.0.1", self.target))
-            threading.Thread(target=self._pump, args=(upstream, client, self.directions[0]), daemon=True).start()
-            threading.Thread(target=self._pump, args=(client, upstream, self.directions[1]), daemon=True).start()
+            threading.Thread(target=self.on_connection, args=(conn,), daemon=True).start()
+
+    def close(self) -> None:
+        self._closed = True
+        self._server.close()
+
+
+class CorruptingProxy(LoopbackServer):
+    """A TCP proxy to ``port`` that flips one bit in the middle of every occurrence of
+    ``pattern`` in the direction(s) asked (``to_client``: responses, ``to_server``: requests)."""
+
+    def __init__(self, port: int, pattern: bytes, to_client: bool = True, to_server: bool = False) -> None:
+        self.target, self.pattern = port, pattern
+        self.directions = (to_client, to_server)
+        self.flips = 0
+        super().__init__()
+
+    def on_connection(self, client: socket.socket) -> None:
+        upstream = socket.create_connection(("127.0.0.1", self.target))
+        threading.Thread(target=self._pump, args=(upstream, client, self.directions[0]), daemon=True).start()
+        self._pump(client, upstream, self.directions[1])
 
     def _pump(self, src: socket.socket, dst: socket.socket, corrupt: bool) -> None:
         tail = b""  # the last len(pattern) - 1 bytes forwarded: a pattern may straddle reads
@@ -293,8 +311,3 @@ class CorruptingProxy:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-
-    def close(self) -> None:
-        self._closed = True
-        self._server.close()
-
