@@ -195,6 +195,7 @@ def test_many_threads_loading_at_once_all_get_exact_bytes(stores, tmp_path):
     store.check_invariants()
 
 
+@pytest.mark.slow  # forks a child while DISK reads are held for a second
 def test_child_forked_with_a_prefetch_and_a_store_in_flight_inherits_no_pin_or_slot(stores, tmp_path):
     """Another thread waits for a prefetch whose DISK reads are slowed, a third holds an open
     ``prepare_store``: the child forked then has neither thread, so every pin and pending

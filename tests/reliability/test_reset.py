@@ -96,8 +96,8 @@ def test_prefetch_in_flight_across_a_reset_publishes_nothing_and_frees_its_slots
     first.store(hashes, contents(hashes))
     first.close()
     store = stores(open_store(tmp_path, gpu=6, cpu=0, disk=16, num_io_threads=1))
-    with inject_disk_faults(store, FaultPlan([Fault("read", "delay", delay_s=0.3)])):
-        handle = store.prefetch(hashes)  # four DISK reads, 0.3 s each, on the I/O thread
+    with inject_disk_faults(store, FaultPlan([Fault("read", "delay", delay_s=0.15)])):
+        handle = store.prefetch(hashes)  # four DISK reads, 0.15 s each, on the I/O thread
         assert handle.num_blocks == 4 and not handle.done()
         store.reset()
         # stored again after the reset with other bytes: the old reads must never be served
@@ -167,12 +167,12 @@ def test_background_writes_in_flight_do_not_bring_blocks_back(stores, tmp_path):
     remote = MemoryRemote()
     store = stores(open_store(tmp_path, gpu=4, cpu=0, disk=16, remote=remote, write_policy="write_through"))
     hashes = _request(3)
-    slow_disk = FaultPlan([Fault("write", "delay", delay_s=0.3)])
-    slow_remote = FaultPlan([Fault("put", "delay", delay_s=0.3)])
+    slow_disk = FaultPlan([Fault("write", "delay", delay_s=0.15)])
+    slow_remote = FaultPlan([Fault("put", "delay", delay_s=0.15)])
     with inject_disk_faults(store, slow_disk), inject_remote_faults(remote, slow_remote):
         assert store.store(hashes, contents(hashes)) == 3  # DISK write and REMOTE put in flight
         store.reset()
-    time.sleep(0.4)
+    time.sleep(0.2)
     store.wait_for_writes()
     assert slow_disk.count(kind="delay") >= 1 and slow_remote.count(kind="delay") >= 1
     assert store.usage()["DISK"]["blocks"] == 0 and remote.records == {}

@@ -7,6 +7,7 @@ import random
 import threading
 import time
 
+import pytest
 import torch
 
 from kvtier.tiers.disk import DiskTier
@@ -15,6 +16,7 @@ from tests.conftest import NS, chain, random_blocks, read_back, stored_then_reop
 SPEC = tiny_spec()
 
 
+@pytest.mark.slow  # 2.5 s of five kinds of threads racing
 def test_threads_storing_loading_prefetching_looking_up_and_flushing_serve_only_right_bytes(make_store):
     store = make_store(gpu_blocks=8, cpu_blocks=8, disk_blocks=64, num_io_threads=3)
     requests = [chain(random.Random(r).randint(1, 6), SPEC, NS, start=10_000 * r) for r in range(30)]

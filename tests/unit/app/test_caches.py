@@ -59,6 +59,7 @@ def test_a_live_store_is_seen_with_its_pid_and_blocks_then_removed_once_closed(t
     reopened.close()
 
 
+@pytest.mark.slow  # starts a Python process that imports torch
 def test_a_store_in_another_process_is_counted_beside_it(tmp_path: Path) -> None:
     """What `kvtier cache ls` sees while a demo runs: blocks read through LMDB's reader
     table next to the owner, the owner's pid from its lock."""
