@@ -243,3 +243,36 @@ def raw_read(path: Path, out: "torch.Tensor", chunk: int) -> None:
                 n = f.readinto(view)
                 assert n, "raw file shorter than expected"
                 view = view[n:]
+
+
+# -- page cache ----------------------------------------------------------------------------------
+def drop_page_cache(paths: Sequence[Path], system: bool = False) -> None:
+    """Evict ``paths`` (files, or directories: every file under them) from the page cache,
+    as after a reboot: ``sync``, then ``posix_fadvise(DONTNEED)`` on each file; with
+    ``system`` also ``echo 3 > /proc/sys/vm/drop_caches`` (root only; the whole machine's
+    cache). Pages a process still has mapped stay cached either way: close LMDB first.
+
+    Raises:
+        PermissionError: ``system`` without root.
+    """
+    import os
+
+    os.sync()
+    if system:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    for path in paths:
+        for file in ([path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]):
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def io_read_bytes() -> int:
+    """Bytes this process has caused to be read from storage (``read_bytes`` of
+    ``/proc/self/io``: page-cache misses, readahead included)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    raise RuntimeError("no read_bytes in /proc/self/io")

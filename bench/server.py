@@ -25,6 +25,13 @@ Rows (value = daemon, baseline = Redis, ratio = daemon / Redis):
   favours the daemon. Client processes are Python too: on a small machine they compete with
   the servers for cores, which shows in both servers' closed-loop numbers alike.
 
+Mixed workload (bench/server_mixed.py): ``--clients`` closed-loop clients whose calls are 70%
+lookups, 20% gets and 10% puts of ``--mixed-blocks`` blocks: calls/s, p50/p99 latency.
+
+The daemon runs on uvloop when it is installed (``kvtier[fast]``; kvtier.server.loop) and
+asyncio's loop otherwise (``KVTIER_EVENT_LOOP=asyncio`` in this process's environment forces
+it: the one variable passed on); the table's footnote says which.
+
 CPU rows (Linux): CPU time per GB moved and per lookup, of each server process (daemon vs
 redis-server, all threads) and of the client (RemoteTier vs RedisTier, in this process),
 summed over every round of the cases above. CPU time is not inflated by other jobs on the
@@ -66,6 +73,7 @@ import torch  # noqa: E402
 from bench.common import (  # noqa: E402
     Case, Row, Stat, apply_threads, arg_parser, measure, print_table, write_outputs,
 )
+from bench.server_mixed import mixed_rows, put_hot, run_mixed  # noqa: E402
 from kvtier.config import parse_bytes  # noqa: E402
 from kvtier.hashing import KeyContext  # noqa: E402
 from kvtier.records import ReadStatus  # noqa: E402
@@ -139,8 +147,8 @@ def start_daemon(work_dir: Path, cpu_bytes: int) -> tuple[subprocess.Popen, str]
     log = work_dir / "daemon.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                                      os.environ.get("PYTHONPATH")]))}
-    for name in [n for n in env if n.startswith("KVTIER_")]:  # only the flags below configure it
-        del env[name]
+    for name in [n for n in env if n.startswith("KVTIER_") and n != "KVTIER_EVENT_LOOP"]:  # only the flags
+        del env[name]  # below configure it (and the event loop, when asked)
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvtier", "serve", "--host", "127.0.0.1", "--port", str(port),
@@ -158,6 +166,14 @@ def start_daemon(work_dir: Path, cpu_bytes: int) -> tuple[subprocess.Popen, str]
 
     _wait_until(ready, proc, "kvtier serve", log)
     return proc, url
+
+
+def daemon_event_loop(log: Path) -> str:
+    """The event loop the daemon announced (``uvloop X.Y.Z`` or ``asyncio``; kvtier.server.loop)."""
+    for line in log.read_text(errors="replace").splitlines():
+        if "event loop " in line:
+            return line.rsplit("event loop ", 1)[1].rstrip(")")
+    return "asyncio (not announced: a daemon before kvtier.server.loop)"
 
 
 def stop(proc: subprocess.Popen | None) -> None:
@@ -469,13 +485,33 @@ def _latency_worker(kind: str, url: str, hashes: list[bytes], threads: int, star
             if period is not None:
                 due += period
 
-    workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    run_threads(run, threads)
+    client.close()
+    return [x for r in results for x in r], sum(misses)
+
+
+def run_threads(target: Callable[[int], None], n: int) -> None:
+    """``target(i)`` for ``i`` in ``range(n)``, each on its own thread; returns when all are done."""
+    workers = [threading.Thread(target=target, args=(i,)) for i in range(n)]
     for w in workers:
         w.start()
     for w in workers:
         w.join()
-    client.close()
-    return [x for r in results for x in r], sum(misses)
+
+
+def spread(clients: int, procs: int) -> tuple[list[int], list[int]]:
+    """``(clients per process, index of each process's first client)``; one process for ``procs == 0``."""
+    per_proc = [clients // procs + (i < clients % procs) for i in range(procs)] if procs else [clients]
+    return per_proc, [sum(per_proc[:i]) for i in range(len(per_proc))]
+
+
+def dispatch(pool, worker: Callable, args: list[tuple], duration_s: float) -> list:
+    """``worker(*a)`` for each ``a`` of ``args`` on the pool's processes (here, for the one
+    ``a``, without a pool); their results."""
+    if pool is None:
+        return [worker(*args[0])]
+    jobs = [pool.apply_async(worker, a) for a in args]
+    return [job.get(timeout=120 + duration_s) for job in jobs]
 
 
 @dataclass
@@ -526,8 +562,7 @@ def run_clients(pool, urls: dict[str, str], hashes: dict[str, list[BlockHash]], 
     """``clients`` lookup clients over ``procs`` processes against each server in turn,
     ``rounds`` times (alternating servers); samples pooled per server."""
     procs = min(procs, clients)
-    per_proc = [clients // procs + (i < clients % procs) for i in range(procs)] if procs else [clients]
-    firsts = [sum(per_proc[:i]) for i in range(len(per_proc))]
+    per_proc, firsts = spread(clients, procs)
     results = {kind: LatencyResult([], 0.0) for kind in urls}
     if pool is not None:
         _wait_for_workers(pool, procs)
@@ -536,12 +571,7 @@ def run_clients(pool, urls: dict[str, str], hashes: dict[str, list[BlockHash]], 
             start_at = time.time() + 0.5
             args = [(kind, url, [bytes(h) for h in hashes[kind]], n, start_at, 0.3, duration_s, rate, first, clients)
                     for n, first in zip(per_proc, firsts)]
-            if pool is None:
-                outcomes = [_latency_worker(*args[0])]
-            else:
-                jobs = [pool.apply_async(_latency_worker, a) for a in args]
-                outcomes = [job.get(timeout=120 + duration_s) for job in jobs]
-            for latencies, misses in outcomes:
+            for latencies, misses in dispatch(pool, _latency_worker, args, duration_s):
                 if misses:
                     raise RuntimeError(f"{kind}: {misses} lookups under load missed present blocks")
                 results[kind].latencies_s += latencies
@@ -589,6 +619,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--latency-rounds", type=int, default=2, help="rounds per server (alternating)")
     parser.add_argument("--lookup-rate", type=float, default=10.0,
                         help="lookups/s of each client in the open-loop rows (default 10: 32 engines at 10 requests/s)")
+    parser.add_argument("--mixed-blocks", type=int, default=4,
+                        help="blocks per get and put of the mixed workload (default 4 = 8 MiB; 0: no mixed rows)")
     parser.add_argument("--no-raw", action="store_true", help="skip the raw redis-py rows")
     parser.add_argument("--dir", type=Path, default=None, help="where the temp dir goes (default: system temp)")
     args = parser.parse_args(argv)
@@ -598,6 +630,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     counts = (args.batch_blocks, args.lookup_blocks, args.lookup_calls, args.clients, args.latency_rounds, args.repeats)
     if min(counts) < 1 or args.client_procs < 0 or not args.latency_seconds > 0 or not args.lookup_rate > 0:
         parser.error("expected positive sizes, counts, --latency-seconds and --lookup-rate (--client-procs >= 0)")
+    if not 0 <= args.mixed_blocks <= args.lookup_blocks:
+        parser.error("expected 0 <= --mixed-blocks <= --lookup-blocks (the mix's hot set)")
     if args.lookup_blocks > num_blocks:
         parser.error(f"expected --lookup-blocks <= {num_blocks} blocks of --total-bytes")
     threads = apply_threads(args.threads)
@@ -611,6 +645,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     try:
         redis_proc, redis_url = start_redis(work_dir, 4 * round_bytes + (256 << 20))  # + Redis's own overhead
         daemon_proc, daemon_url = start_daemon(work_dir, 2 * round_bytes + (16 << 20))
+        daemon_loop = daemon_event_loop(work_dir / "daemon.log")
         daemon = make_client("daemon", daemon_url)
         redis_tier = make_client("redis", redis_url)
         clients = [daemon, redis_tier]
@@ -630,9 +665,19 @@ def main(argv: list[str] | None = None) -> list[Row]:
             {"daemon": daemon_hashes[: args.lookup_blocks], "redis": redis_hashes[: args.lookup_blocks]},
             args.clients, args.client_procs, args.latency_rounds, args.latency_seconds, args.lookup_rate,
         )
-        if process_cpu_s(redis_proc.pid) is not None:  # before the two raw redis-py rows
-            at = len(rows) - (0 if args.no_raw else 2)
-            rows[at:at] = cpu + lookup_cpu
+        if args.mixed_blocks:
+            n = args.lookup_blocks
+            hot_put = {"daemon": lambda: put_hot(daemon, "daemon", SPEC, NAMESPACE, n),
+                       "redis": lambda: put_hot(redis_tier, "redis", SPEC, NAMESPACE, n)}
+            mixed = run_mixed(pool, {"daemon": daemon_url, "redis": redis_url}, hot_put, args.clients,
+                              args.client_procs, args.latency_rounds, args.latency_seconds, args.mixed_blocks, n)
+            extra, mixed_note = mixed_rows(mixed, args.clients, args.mixed_blocks)
+        else:
+            extra, mixed_note = [], ""
+        if process_cpu_s(redis_proc.pid) is not None:
+            extra += cpu + lookup_cpu
+        at = len(rows) - (0 if args.no_raw else 2)  # before the two raw redis-py rows
+        rows[at:at] = extra
     finally:
         if pool is not None:
             pool.terminate()
@@ -648,9 +693,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
         f"{threads} torch threads; {os.cpu_count()} CPUs"
     )
     footnote = (
-        "ratio = daemon / Redis (for latency, < 1 favours the daemon). Goal (issue 4): batch get >= 1.0x Redis; "
-        "lookup p99 under 32 clients < 5 ms. Clients: RemoteTier (HTTP, msgpack) and RedisTier (redis-py "
-        "pipelines); both verify every record's checksum."
+        f"daemon event loop: {daemon_loop}. ratio = daemon / Redis (for latency and CPU, < 1 favours the daemon). "
+        "Goals (issue 17): batch put >= 1.5x, batch get >= 3x, lookup requests/s >= 1.0x with 1 and 32 clients, "
+        "lookup p99 at 32 clients x 10/s <= 2 ms, server CPU per lookup <= 2x Redis's, mixed calls/s >= 1.2x. "
+        "Clients: RemoteTier (HTTP, msgpack) and RedisTier (redis-py pipelines); both verify every record's checksum. "
+        + mixed_note
     )
     print_table(title, rows, footnote=footnote)
     write_outputs(args, NAME, rows)

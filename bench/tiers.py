@@ -20,6 +20,10 @@ in the same run:
   per block, page cache warm. Baselines: a raw sequential write of the same bytes to one file
   (overwritten in place; no fsync for either, as LMDB runs with ``sync=False``) and a
   ``readinto`` of that file into a preallocated tensor.
+- DISK get, page cache dropped: the tier closed, its files dropped from the page cache
+  (``--drop-caches``), reopened, then read as above. Baseline: ``readinto`` of the raw file
+  after the same drop. The footnote says how much of the bytes came from storage.
+- DISK open (``--open-bytes``, e.g. 8GiB; skipped by default): :mod:`bench.disk_open`.
 - DISK spill / DISK -> CPU promotion (store level): ``store`` into a full CPU slab whose LRU
   victims spill to DISK; ``load`` of blocks held only on DISK. Baselines: raw write / raw read.
 
@@ -46,6 +50,8 @@ if __package__ in (None, ""):  # run as a script (python bench/tiers.py): make `
 import torch  # noqa: E402
 
 from bench.common import Case, Row, raw_read, raw_write, Stat, apply_threads, arg_parser, measure, print_table, write_outputs  # noqa: E402
+from bench.common import drop_page_cache, io_read_bytes  # noqa: E402
+from bench.disk_open import open_rows  # noqa: E402
 from kvtier.config import StoreConfig, parse_bytes  # noqa: E402
 from kvtier.hashing import KeyContext  # noqa: E402
 from kvtier.store import TieredStore  # noqa: E402
@@ -78,7 +84,10 @@ class Bench:
     dst: torch.Tensor  # same shape, host: where every get lands
     scratch: torch.Tensor  # same shape, host: the baselines' pool stand-in
 
+    system_drop: bool = False  # page-cache drops also via /proc/sys/vm/drop_caches
+
     def __post_init__(self) -> None:
+        self.notes: list[str] = []  # printed under the table
         self._chains = itertools.count()
         self.fingerprints: dict[BlockHash, bytes] = {}  # each hash's token fingerprint (made up, 32 bytes)
 
@@ -271,12 +280,31 @@ def bench_disk(b: Bench) -> list[Row]:
         for j, h in enumerate(state["hashes"]):
             assert disk.read_into(h, NAMESPACE, b.dst[j], b.fingerprints[h]) is ReadStatus.OK, "DISK read failed"
 
+    def drop_disk() -> None:  # closed (LMDB's mapped pages stay cached), dropped, reopened
+        nonlocal disk
+        b.poison(b.dst)
+        capacity = disk.capacity_bytes
+        disk.close()
+        drop_page_cache([b.work_dir / "disk"], b.system_drop)
+        disk = DiskTier(b.work_dir / "disk", capacity)
+        state["read_bytes"] = io_read_bytes()
+
+    def cold_get() -> None:
+        get()
+        state["cold_read"] = io_read_bytes() - state["read_bytes"]
+
     try:
         rows = [b.row(f"DISK put: write_batch({B})", Case(put, before_put),
                       Case(lambda: raw_write(raw_path, b.src, B)), "raw file write, no fsync")]
         rows.append(b.row("DISK get: read_into, page cache warm", Case(get, lambda: b.poison(b.dst)),
                           Case(lambda: raw_read(raw_path, b.dst, B)), "raw file readinto"))
         b.check(b.dst, b.src, "DISK get")
+        rows.append(b.row("DISK get: read_into, page cache dropped", Case(cold_get, drop_disk),
+                          Case(lambda: raw_read(raw_path, b.dst, B), lambda: drop_page_cache([raw_path], b.system_drop)),
+                          "raw file readinto, page cache dropped"))
+        b.check(b.dst, b.src, "DISK get, page cache dropped")
+        b.notes.append(f"DISK get, page cache dropped: the last run read {state['cold_read'] / b.nbytes:.0%} of its "
+                       "bytes from storage (/proc/self/io read_bytes; ~100% means the drop worked)")
         return rows
     finally:
         disk.close()
@@ -314,7 +342,7 @@ def bench_store_disk(b: Bench) -> list[Row]:
 # -- report ----------------------------------------------------------------------------------
 def lmcache_terms(rows: list[Row]) -> str:
     """kvtier's rows restated in the terms of the LMCache 0.5.6 numbers (LMCACHE_NOTE)."""
-    by = {r.metric.split(":")[0]: r for r in rows}
+    by = {r.metric.split(":")[0]: r for r in rows if "page cache dropped" not in r.metric}
     cpu_put, cpu_get = by.get("CPU put"), by.get("CPU get")
     disk_put, disk_get = by.get("DISK put"), by.get("DISK get")
     if not (cpu_put and cpu_get and disk_put and disk_get and cpu_get.baseline):
@@ -336,6 +364,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
                         help="a temporary directory is made (and removed) in here (default: the repo's parent)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device of the GPU pool (default cuda when available, else cpu)")
+    parser.add_argument("--open-bytes", type=parse_bytes, default=0,
+                        help="also time opening a DISK tier holding this many bytes of records after a page-cache "
+                        "drop, e.g. 8GiB (written under --dir, removed after; default 0: skipped)")
+    parser.add_argument("--drop-caches", choices=("files", "system"), default="files",
+                        help="page-cache drop: fadvise(DONTNEED) on the bench's files (default), or also "
+                        "echo 3 > /proc/sys/vm/drop_caches (root; the whole machine's cache)")
     args = parser.parse_args(argv)
     num_blocks = args.total_bytes // SPEC.block_nbytes
     if num_blocks < 1 or args.total_bytes % SPEC.block_nbytes:
@@ -348,7 +382,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     try:
         src = make_blocks(num_blocks)
         b = Bench(num_blocks, args.request_blocks, args.disk_batch, args.repeats, args.stat, device,
-                  work_dir, src, torch.empty_like(src), torch.empty_like(src))
+                  work_dir, src, torch.empty_like(src), torch.empty_like(src), args.drop_caches == "system")
         b.dst.zero_()  # first-touch its pages before anything is timed
         b.scratch.zero_()
         rows = bench_pool(b, Medium.GPU) + bench_pool(b, Medium.CPU)
@@ -356,14 +390,16 @@ def main(argv: list[str] | None = None) -> list[Row]:
         rows.append(bench_promotion_to_gpu(b))
         gc.collect()
         rows += bench_disk(b) + bench_store_disk(b)
+        if args.open_bytes:
+            rows += open_rows(work_dir, src, args.open_bytes, NAMESPACE, args.repeats, args.stat, b.system_drop)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     title = (
         f"kvtier tiers: {num_blocks} x 2 MiB blocks ({b.nbytes / 1e9:.2f} GB) per measurement, "
         f"{args.stat} of {args.repeats} after 1 warm-up; GPU pool on {device}; {threads} torch threads; "
-        "DISK: LMDB sync=False vs raw file without fsync, page cache warm"
+        "DISK: LMDB sync=False vs raw file without fsync, page cache warm unless said"
     )
-    print_table(title, rows, footnote="\n".join(filter(None, [LMCACHE_NOTE, lmcache_terms(rows)])))
+    print_table(title, rows, footnote="\n".join(filter(None, [LMCACHE_NOTE, lmcache_terms(rows), *b.notes])))
     write_outputs(args, NAME, rows)
     return rows
 

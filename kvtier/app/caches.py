@@ -25,6 +25,8 @@ from kvtier.app.datadir import SERVE_LOCK, STORE_LOCK, DataDirError, describe_ho
 from kvtier.config import ENV_PREFIX, default_data_dir
 
 LMDB_FILES = ("data.mdb", "lock.mdb")
+INDEX_DIR = "index"
+"""The DISK tier's persisted index (an LMDB environment of its own: kvtier.tiers.disk_index)."""
 SPEC_FILE = "spec.msgpack"  # kvtier.server.registry.SPEC_FILE (the registry imports torch)
 _NAMESPACE_DIR = re.compile(r"[0-9a-f]{64}")
 
@@ -218,6 +220,8 @@ def _remove_disk_tier(disk_dir: Path) -> None:
     with hold_lock(disk_dir / "kvtier.lock"):
         for name in LMDB_FILES:
             _unlink(disk_dir / name)
+            _unlink(disk_dir / INDEX_DIR / name)
+        _rmdir(disk_dir / INDEX_DIR)
         _unlink(disk_dir / "kvtier.lock")
     _rmdir(disk_dir)
 

@@ -60,13 +60,15 @@ import torch
 
 from kvtier.config import StoreConfig
 from kvtier.connectors.hf_cache import (
+    LayerGather,
     UnsupportedModelError,
+    cache_from_layers,
     cache_kwarg,
     cache_layers,
     check_cache,
-    gather_into_layers,
     kv_spec_for,
     new_cache,
+    new_layer_tensors,
     scatter_from_layers,
 )
 from kvtier.connectors.hf_media import PromptMedia, prompt_media
@@ -281,7 +283,10 @@ class HFConnector:
     ) -> tuple[list[BlockHash], list[bytes]]:
         """Hashes and token fingerprints of the full blocks of ``token_ids``
         (:func:`block_keys_for`), the blocks holding an image of ``media`` keyed by it."""
-        tokens = _token_list(token_ids)
+        return self._keys(_token_list(token_ids), media)
+
+    def _keys(self, tokens: list[int], media: PromptMedia | None) -> tuple[list[BlockHash], list[bytes]]:
+        """:meth:`block_keys` of tokens already checked (:func:`_token_list`)."""
         extra = media.extra_keys(len(tokens) // self.block_size, self.block_size) if media is not None else None
         return block_keys_for(tokens, self.namespace, self.block_size, self.key_context.hash_name, extra)
 
@@ -294,7 +299,13 @@ class HFConnector:
         :meth:`before_prefill`. Raises ``ValueError`` like :meth:`before_prefill`."""
         tokens = _prompt_tokens(input_ids)
         prompt_media = self.prompt_media(media, tokens)
-        block_hashes, fingerprints = self.block_keys(tokens, prompt_media)
+        return self._prefetch(tokens, prompt_media, *self._keys(tokens, prompt_media))
+
+    def _prefetch(
+        self, tokens: list[int], prompt_media: PromptMedia | None, block_hashes: list[BlockHash],
+        fingerprints: list[bytes],
+    ) -> PrefetchTicket:
+        """:meth:`prefetch` of a prompt whose keys are already computed."""
         max_blocks = (len(tokens) - 1) // self.block_size  # leave >= 1 token to prefill
         if prompt_media is not None:
             max_blocks = prompt_media.cut(max_blocks, self.block_size)
@@ -310,7 +321,7 @@ class HFConnector:
         max_blocks = (len(tokens) - 1) // self.block_size
         if prompt_media is not None:
             max_blocks = prompt_media.cut(max_blocks, self.block_size)
-        block_hashes, _ = self.block_keys(tokens, prompt_media)
+        block_hashes, _ = self._keys(tokens, prompt_media)
         return self.store.explain(block_hashes[:max_blocks], self._prompt_info(tokens, prompt_media))
 
     def _prompt_info(self, tokens: list[int], media: PromptMedia | None = None) -> PromptInfo:
@@ -340,11 +351,13 @@ class HFConnector:
         started = time.perf_counter()
         self._count_prefill()  # the previous request's, if after_request was not called
         tokens = _prompt_tokens(input_ids)
-        block_hashes, fingerprints = self.block_keys(tokens, self.prompt_media(media, tokens))
+        prompt_media = self.prompt_media(media, tokens)
+        block_hashes, fingerprints = self._keys(tokens, prompt_media)
         if ticket is None or ticket.used or (ticket.block_hashes, ticket.fingerprints) != (block_hashes, fingerprints):
             if ticket is not None and not ticket.used:
                 ticket.cancel()  # for another prompt
-            ticket = self.prefetch(tokens, media)  # a ticket serves one prefill: its lease is gone after
+            # a ticket serves one prefill (its lease is gone after); the keys are hashed once
+            ticket = self._prefetch(tokens, prompt_media, block_hashes, fingerprints)
         ticket.used = True
         with torch.no_grad():
             plan = self._load_into_cache(ticket, block_hashes)
@@ -370,29 +383,32 @@ class HFConnector:
                              "prefill_s": seconds, "saved_s": saved, "lost_s": lost}
 
     def _load_into_cache(self, ticket: PrefetchTicket, block_hashes: list[BlockHash]) -> PrefillPlan:
-        handle = ticket.handle
+        """Gather the loaded prefix into a new cache: every layer's K and V allocated once at
+        the prefix's length and written in one pass (:class:`LayerGather`), then handed to
+        the cache as they are (:func:`cache_from_layers`, no concatenation)."""
+        handle, spec = ticket.handle, self.store.spec
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         if handle.num_blocks:
             pool = self.store.top.tensor
-            ids = torch.tensor(handle.block_ids, dtype=torch.int64, device=pool.device)
-            for layer in range(self.store.spec.num_layers):
+            gather = LayerGather(spec, pool, handle.block_ids)
+            keys, values = new_layer_tensors(spec, handle.num_blocks * self.block_size, pool.device)
+            for layer in range(spec.num_layers):
                 handle.wait_layer(layer)  # on CUDA: this layer's copy only, no host sync
-                k, v = gather_into_layers(self.store.spec, pool, ids, layer)
-                keys.append(k)
-                values.append(v)
+                gather.layer(layer, keys[layer], values[layer])
         loaded = handle.wait()  # a failed block ends the prefix: use only what arrived
         loaded.lease.release()  # the gathers are queued; later copies into these slots wait for them
         num_blocks, media = len(loaded.block_ids), ticket.media
         if media is not None:
             num_blocks = media.cut(num_blocks, self.block_size)  # never inside an image
         num_cached = num_blocks * self.block_size
-        cache = new_cache()
-        if num_cached:
-            device = self.model.device
-            for layer, (k, v) in enumerate(zip(keys, values)):
-                k, v = k[:, :, :num_cached], v[:, :, :num_cached]
-                cache.update(k.to(device, non_blocking=True), v.to(device, non_blocking=True), layer)
+        if num_blocks < handle.num_blocks:  # a shorter prefix: its own tensors, not views of longer ones
+            keys = [k[:, :, :num_cached].contiguous() for k in keys]
+            values = [v[:, :, :num_cached].contiguous() for v in values]
+        device = self.model.device
+        cache = cache_from_layers(
+            [k.to(device, non_blocking=True) for k in keys], [v.to(device, non_blocking=True) for v in values]
+        ) if num_cached else new_cache()
         media_inputs = media.inputs_after(num_cached) if media is not None else {}
         sources = loaded.sources[:num_blocks]
         return PrefillPlan(num_cached, cache, block_hashes, sources, self._cache_kwarg, media_inputs)
@@ -427,7 +443,7 @@ class HFConnector:
         prompt_media = self.prompt_media(media, prompt)
         if prompt_media is not None and not prompt_media.keyable:
             return 0
-        block_hashes, fingerprints = self.block_keys(tokens[:num_tokens], prompt_media)
+        block_hashes, fingerprints = self._keys(tokens[:num_tokens], prompt_media)
         if not block_hashes:
             return 0
         pool, spec = self.store.top.tensor, self.store.spec

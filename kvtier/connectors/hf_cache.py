@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import torch
 
-from kvtier.kernels import gather_blocks_to_layers, scatter_contiguous_to_blocks
+from kvtier.kernels import gather_blocks_to_contiguous, scatter_contiguous_to_blocks, use_triton
 from kvtier.types import KVSpec, LayerGroup
 
 _WINDOWED_TYPES = {"sliding_attention": "sliding", "chunked_attention": "chunked"}
@@ -197,23 +197,81 @@ def check_cache(cache: Any, spec: KVSpec) -> str | None:
     return None
 
 
-def gather_into_layers(
-    spec: KVSpec, pool: torch.Tensor, ids: torch.Tensor, layer: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer ``layer`` of blocks ``ids``, in order, as HF cache tensors.
-
-    Args:
-        pool: ``[num_blocks, *spec.block_shape]``.
-        ids: ``[n]`` int64 block ids on the pool's device (known good).
+def new_layer_tensors(spec: KVSpec, num_tokens: int, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Uninitialised per-layer HF cache tensors of ``num_tokens`` positions, to gather into.
 
     Returns:
-        K ``[1, num_kv_heads, n * block_size, k_head_dim]`` and V (``v_head_dim``), new tensors.
+        ``(keys, values)``: per layer K ``[1, num_kv_heads, num_tokens, k_head_dim]`` and V
+        (``v_head_dim``) of ``spec.dtype`` on ``device``, each its own allocation (so one can
+        be freed or replaced alone, as ``DynamicCache`` does on every update).
     """
-    if spec.is_uniform:
-        k, v = gather_blocks_to_layers(pool[:, layer : layer + 1], ids, check_ids=False)
-        return k[0], v[0]
-    k_view, v_view = spec.layer_views(pool)[layer]
-    return tuple(_blocks_to_hf(view.index_select(0, ids)) for view in (k_view, v_view))  # type: ignore[return-value]
+    keys, values = [], []
+    for heads, k_dim, v_dim in spec.layer_shapes():
+        keys.append(torch.empty((1, heads, num_tokens, k_dim), dtype=spec.dtype, device=device))
+        values.append(torch.empty((1, heads, num_tokens, v_dim), dtype=spec.dtype, device=device))
+    return keys, values
+
+
+class LayerGather:
+    """Copies one request's blocks, layer by layer, from the pool into HF cache tensors:
+    each layer's K and V are written once, in place, at their final positions (no staging
+    copy, no per-block concatenation).
+
+    On the torch path each run of consecutive pool slots is one strided ``copy_`` per layer
+    and K/V (a fresh store hands out consecutive slots, so a prefix is usually one run); a
+    prefix scattered over more runs than half its blocks is gathered per layer with one
+    ``index_select`` instead. A uniform spec on a pool the Triton kernels serve
+    (:func:`kvtier.kernels.use_triton`: CUDA) runs one gather kernel per layer.
+
+    Args:
+        spec: the block layout.
+        pool: ``[num_blocks, *spec.block_shape]``.
+        block_ids: ``[n]`` pool slots of the request's blocks, in request order (known good).
+    """
+
+    def __init__(self, spec: KVSpec, pool: torch.Tensor, block_ids: Sequence[int]) -> None:
+        self.spec, self.pool, self.num_blocks = spec, pool, len(block_ids)
+        runs = _runs(block_ids)
+        self._triton = spec.is_uniform and use_triton(pool)
+        self._runs = runs if not self._triton and len(runs) <= max(1, len(block_ids) // 2) else None
+        self._ids = None if self._runs is not None else torch.tensor(list(block_ids), dtype=torch.int64, device=pool.device)
+        self._views = None if self._triton else spec.layer_views(pool)
+
+    def layer(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write layer ``layer`` of every block into ``key`` / ``value`` (``[1, num_kv_heads,
+        >= n * block_size, head_dim]`` of the pool's dtype and device, any strides), tokens
+        ``0 .. n * block_size``."""
+        if self._triton:
+            gather_blocks_to_contiguous(self.pool[:, layer : layer + 1], self._ids, [key], [value], check_ids=False)
+            return
+        for view, out in zip(self._views[layer], (key, value)):
+            blocks = _block_view(out, self.num_blocks, self.spec.block_size)
+            if self._runs is None:
+                blocks.copy_(view.index_select(0, self._ids))
+                continue
+            for src, dst, length in self._runs:
+                blocks[dst : dst + length].copy_(view[src : src + length])
+
+
+def cache_from_layers(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> Any:
+    """A :func:`new_cache` whose layer ``i`` holds ``keys[i]`` / ``values[i]`` themselves
+    (``[1, num_kv_heads, seq_len, head_dim]`` each, the same ``seq_len`` in every layer).
+
+    ``DynamicCache.update`` on an empty layer concatenates the tensor to an empty one: a copy
+    of every cached byte. Instead each layer is created and initialised by an update with no
+    positions, then handed the tensors (``DynamicLayer.keys`` / ``.values``, the attributes
+    :func:`cache_layers` reads). A transformers release without cache layers gets plain
+    updates (one copy per layer).
+    """
+    cache = new_cache()
+    for layer, (key, value) in enumerate(zip(keys, values)):
+        cache.update(key[:, :, :0], value[:, :, :0], layer)
+        layers = getattr(cache, "layers", None)
+        if layers is None or len(layers) <= layer or not hasattr(layers[layer], "keys"):
+            cache.update(key, value, layer)  # transformers < 4.56: key_cache / value_cache lists
+            continue
+        layers[layer].keys, layers[layer].values = key, value
+    return cache
 
 
 def scatter_from_layers(
@@ -243,7 +301,21 @@ def scatter_from_layers(
             view.index_copy_(0, ids, blocks.to(view.device))
 
 
-def _blocks_to_hf(blocks: torch.Tensor) -> torch.Tensor:
-    """``[n, block_size, heads, dim]`` -> ``[1, heads, n * block_size, dim]`` (contiguous)."""
-    n, size, heads, dim = blocks.shape
-    return blocks.reshape(n * size, heads, dim).transpose(0, 1).unsqueeze(0).contiguous()
+def _block_view(cache: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
+    """``[1, heads, >= n * block_size, dim]`` -> its first ``n`` blocks as a
+    ``[n, block_size, heads, dim]`` view (no copy)."""
+    heads, _, dim = cache.shape[1:]
+    if cache.shape[2] == num_blocks * block_size and cache.is_contiguous():  # the usual case: a plain view
+        return cache.view(heads, num_blocks, block_size, dim).permute(1, 2, 0, 3)
+    return cache[0, :, : num_blocks * block_size].unflatten(1, (num_blocks, block_size)).permute(1, 2, 0, 3)
+
+
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(first_slot, first_index, length)`` of each run of consecutive slots in ``block_ids``."""
+    runs: list[tuple[int, int, int]] = []
+    for index, slot in enumerate(block_ids):
+        if runs and runs[-1][0] + runs[-1][2] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((slot, index, 1))
+    return runs

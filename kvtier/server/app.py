@@ -298,7 +298,8 @@ async def lookup(request: web.Request) -> web.Response:
                 result = await registry.run_on(entry, entry.store.lookup, hashes)
     except UnknownNamespace:
         raise _unknown(namespace) from None
-    return msgpack_response({"num_blocks": result.num_hit_blocks, "media": [str(m) for m in result.media]})
+    # Medium is a str enum: msgpack packs each as its name, no str() per block needed
+    return msgpack_response({"num_blocks": result.num_hit_blocks, "media": result.media})
 
 
 async def get(request: web.Request) -> web.StreamResponse:

@@ -42,6 +42,8 @@ from kvtier.server.errors import LOG, Handler
 
 logger = logging.getLogger(__name__)
 
+_timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
+
 TICK_S = 0.25
 """Seconds between two checks of every connection."""
 
@@ -192,7 +194,10 @@ class BodyClock:
         try:
             if allowed <= 0:
                 raise asyncio.TimeoutError
-            return await asyncio.wait_for(awaitable, allowed)
+            if _timeout is None:  # Python 3.10
+                return await asyncio.wait_for(awaitable, allowed)
+            async with _timeout(allowed):  # no task per step, unlike wait_for before 3.12
+                return await awaitable
         except asyncio.TimeoutError:
             if asyncio.iscoroutine(awaitable):
                 awaitable.close()

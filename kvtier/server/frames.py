@@ -4,7 +4,9 @@ verifies frames into staging buffers and stores them (format: kvtier.wire).
 get: the blocks are loaded (``store.load``: pinned in the top pool, DISK blocks read up) a
 chunk at a time on the registry's threads; each block's header is computed there from the
 slot (one hashing pass, no copy), with the token fingerprint the block was stored with, and
-the slot's own memory is written to the socket. The daemon checks no fingerprint for the
+the slot's own memory is handed to the transport: a chunk of blocks per write on uvloop (one
+HTTP chunk: :func:`kvtier.server.streams.write_frames`), block by block on asyncio's loop.
+The daemon checks no fingerprint for the
 client: it is a relay, and the client checks every block against its own tokens (it could
 not trust a daemon's word that it did). The
 lease is released only once the socket has taken every byte of the chunk (a transport may
@@ -39,6 +41,7 @@ from kvtier.checks import BLOCK_HASH_NBYTES
 from kvtier.records import HEADER_NBYTES, encode_header, parse_header
 from kvtier.server.connections import BodyClock, Budget, Expired, own_deadline, reset
 from kvtier.server.errors import LOG, error
+from kvtier.server.streams import FrameReader, holds_buffers, sent, write_frames
 from kvtier.types import DTYPE_NAMES, BlockHash
 from kvtier.wire import END, FRAMES, block_bytes, frame_nbytes, frame_prefix, max_frames_nbytes
 
@@ -74,6 +77,7 @@ async def send_blocks(
     try:
         await loads.next(block_hashes[:chunk])
         await clock.write(response.prepare(request), 0)
+        await clock.write(response.write(b""), 0)  # the headers go out (aiohttp >= 3.10 holds them back)
         offset = 0
         while loads.ahead is not None:
             part, (loaded, blocks) = await loads.take()
@@ -81,10 +85,7 @@ async def send_blocks(
             try:
                 if len(blocks) == len(part) and offset < len(block_hashes):
                     await loads.next(block_hashes[offset : offset + chunk])
-                for h, (header, payload) in zip(part, blocks):
-                    await clock.write(response.write(frame_prefix(h) + header), len(header))
-                    await clock.write(response.write(payload), len(payload))
-                await clock.write(_sent(request.transport), 0)
+                await _send(request.transport, response, clock, part, blocks)
             finally:
                 loads.release(loaded)
             if len(blocks) < len(part):
@@ -101,6 +102,21 @@ async def send_blocks(
     if not response.prepared:
         raise error(web.HTTPServiceUnavailable, "get: the response could not start")
     return response
+
+
+async def _send(transport, response: web.StreamResponse, clock: BodyClock, part: Sequence[BlockHash],
+                blocks: list) -> None:
+    """The frames of one loaded chunk out, until the kernel has every byte (then its lease
+    may go): one write of the slots' memory on uvloop, block by block through aiohttp else
+    (kvtier.server.streams.holds_buffers)."""
+    if holds_buffers(transport):
+        nbytes = write_frames(transport, part, blocks)
+        await clock.write(sent(transport), nbytes)
+        return
+    for h, (header, payload) in zip(part, blocks):
+        await clock.write(response.write(frame_prefix(h) + header), len(header))
+        await clock.write(response.write(payload), len(payload))
+    await clock.write(sent(transport), 0)
 
 
 class _Loads:
@@ -177,15 +193,6 @@ def _load(entry: "Namespace", block_hashes: Sequence[BlockHash]) -> tuple["LoadR
         raise
 
 
-async def _sent(transport: asyncio.Transport | None) -> None:
-    """Wait until the transport has handed every byte to the kernel (or is closed): polls,
-    0.5 ms at first, then less often (a client that reads slowly costs no CPU)."""
-    pause = 0.0005
-    while transport is not None and not transport.is_closing() and transport.get_write_buffer_size():
-        await asyncio.sleep(pause)
-        pause = min(2 * pause, 0.05)
-
-
 # -- put ---------------------------------------------------------------------------------------
 async def receive_blocks(request: web.Request, registry: "Registry", entry: "Namespace", staging: Budget) -> list[bool]:
     """Read, verify and store the frames of a put body; one bool per frame. Reads are
@@ -197,7 +204,7 @@ async def receive_blocks(request: web.Request, registry: "Registry", entry: "Nam
     if request.content_length is not None and request.content_length > limit:
         raise error(web.HTTPRequestEntityTooLarge, f"expected a put body of at most {limit} bytes "
                     f"(--max-batch-blocks x --max-block-bytes), got Content-Length {request.content_length}")
-    reader = _FrameReader(request.content, BodyClock(settings.grace_s, settings.min_rate_bytes_per_s))
+    reader = FrameReader(request.content, BodyClock(settings.grace_s, settings.min_rate_bytes_per_s))
     stored: list[bool] = []
     batch: _Batch | None = None
     try:
@@ -232,24 +239,7 @@ async def receive_blocks(request: web.Request, registry: "Registry", entry: "Nam
     return stored
 
 
-class _FrameReader:
-    """``request.content`` read through a :class:`BodyClock`."""
-
-    def __init__(self, content, clock: BodyClock) -> None:
-        self.content, self.clock = content, clock
-
-    async def exactly(self, n: int, frame: int) -> bytes:
-        try:
-            return await self.clock.read(self.content.readexactly(n))
-        except asyncio.IncompleteReadError:
-            raise error(web.HTTPBadRequest, f"frame {frame}: the body ends inside a frame or without the end "
-                                            "byte") from None
-
-    async def read(self, n: int) -> bytes:
-        return await self.clock.read(self.content.read(n))
-
-
-async def _next_frame(reader: _FrameReader, entry: "Namespace", settings: "ServeConfig", i: int):
+async def _next_frame(reader: FrameReader, entry: "Namespace", settings: "ServeConfig", i: int):
     """``(block_hash, header bytes, record header)`` of the next frame, checked before its
     payload is read; ``None`` at the end byte. Raises a 400 or 413 HTTP error."""
     hash_len = (await reader.exactly(1, i))[0]
@@ -285,11 +275,11 @@ def _expected_frames(request: web.Request, entry: "Namespace") -> int | None:
     return max(1, request.content_length // frame_nbytes(b"\0" * 16, entry.spec.block_nbytes))
 
 
-async def _payload(reader: _FrameReader, dst: np.ndarray, digest, frame: int) -> None:
+async def _payload(reader: FrameReader, dst: np.ndarray, digest, frame: int) -> None:
     """Copy the next ``dst.nbytes`` body bytes into ``dst`` and hash them, piece by piece."""
     offset, nbytes = 0, dst.nbytes
     while offset < nbytes:
-        piece = await reader.read(min(nbytes - offset, 1 << 20))
+        piece = await reader.piece(nbytes - offset)
         if not piece:
             raise error(web.HTTPBadRequest, f"frame {frame}: the body ends inside a block")
         dst[offset : offset + len(piece)] = np.frombuffer(piece, dtype=np.uint8)

@@ -20,6 +20,7 @@ Checked on every request, before authentication (:func:`guard_middleware`):
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 
 from aiohttp import web
@@ -33,8 +34,11 @@ ALLOWED_HOSTS = web.AppKey("allowed_hosts", frozenset)
 """Host names accepted besides IP literals and ``localhost`` (lowercase, no trailing dot)."""
 
 
+@functools.lru_cache(maxsize=256)
 def host_allowed(host_header: str, allowed: frozenset[str]) -> bool:
-    """Whether ``Host: host_header`` names this daemon (module docstring)."""
+    """Whether ``Host: host_header`` names this daemon (module docstring). Memoized (a pure
+    function; a client sends the same Host on every request, and parsing an IP address
+    costs more than the rest of the guard)."""
     host = host_header.strip()
     if host.startswith("["):  # [v6]:port
         end = host.find("]")

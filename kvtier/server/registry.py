@@ -15,12 +15,11 @@ the same namespace meanwhile waits for that one namespace, no other.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -183,18 +182,11 @@ class Registry:
     def of(self, tenant: str) -> list[Namespace]:
         return [e for e in self if e.tenant == tenant]
 
-    @contextlib.asynccontextmanager
-    async def use(self, tenant: str, namespace: bytes) -> AsyncIterator[Namespace]:
-        """The namespace, kept open until the block exits. Raises :class:`UnknownNamespace`."""
-        entry = self.get(tenant, namespace)
-        if entry is None:
-            raise UnknownNamespace(namespace.hex())
-        task = asyncio.current_task()
-        entry.calls.add(task)
-        try:
-            yield entry
-        finally:
-            entry.calls.discard(task)
+    def use(self, tenant: str, namespace: bytes) -> "_Use":
+        """``async with registry.use(tenant, namespace) as entry``: the namespace, kept open
+        until the block exits (its task is cut if the namespace is deleted or reset
+        meanwhile). Raises :class:`UnknownNamespace` on entry."""
+        return _Use(self, tenant, namespace)
 
     async def register(self, tenant: Tenant, namespace: bytes, spec: KVSpec,
                        name: str | None = None) -> tuple[Namespace, bool]:
@@ -345,6 +337,27 @@ class Registry:
         store = TieredStore(spec, config, namespace, device="cuda" if self.cuda and config.gpu_bytes else "cpu")
         layout.tighten(path)
         return store
+
+
+class _Use:
+    """:meth:`Registry.use` (a plain class: every lookup enters one, and a generator-based
+    context manager costs several times more)."""
+
+    __slots__ = ("registry", "tenant", "namespace", "entry", "task")
+
+    def __init__(self, registry: Registry, tenant: str, namespace: bytes) -> None:
+        self.registry, self.tenant, self.namespace = registry, tenant, namespace
+
+    async def __aenter__(self) -> Namespace:
+        entry = self.registry.get(self.tenant, self.namespace)
+        if entry is None:
+            raise UnknownNamespace(self.namespace.hex())
+        self.entry, self.task = entry, asyncio.current_task()
+        entry.calls.add(self.task)
+        return entry
+
+    async def __aexit__(self, *exc_info) -> None:
+        self.entry.calls.discard(self.task)
 
 
 def _close_store(store: TieredStore, flush: bool) -> None:

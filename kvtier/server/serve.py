@@ -22,6 +22,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from kvtier.server import loop as event_loop
 from kvtier.server.app import make_app
 from kvtier.server.connections import SUPERVISOR
 from kvtier.server.errors import RateLimitedLogger
@@ -45,7 +46,7 @@ def serve(settings: ServeConfig, announce: Callable[[str], None] = print) -> Non
     """
     settings.check_bind()
     os.umask(0o077)
-    asyncio.run(_serve(settings, announce))
+    event_loop.run(_serve(settings, announce), settings.event_loop)
 
 
 async def _serve(settings: ServeConfig, announce: Callable[[str], None]) -> None:
@@ -54,9 +55,11 @@ async def _serve(settings: ServeConfig, announce: Callable[[str], None]) -> None
         registry = running.app[REGISTRY]
         tenants = registry.tenants
         auth = "off" if tenants.open else f"{len(tenants.tenants)} tenant(s)"
+        loop_name = event_loop.running()
+        logger.info("event loop: %s", loop_name)
         announce(f"kvtier serve: listening on {' '.join(running.urls)} (data {registry.data_dir}, "
                  f"{len(registry.namespaces)} namespaces reopened, auth {auth}, durable puts "
-                 f"{'on' if settings.durable else 'off'})")
+                 f"{'on' if settings.durable else 'off'}, event loop {loop_name})")
         await until_stopped()
     finally:
         await running.stop()

@@ -14,10 +14,12 @@ from typing import Any
 
 from kvtier.checks import UNIX_PATH_MAX_NBYTES, check_token
 from kvtier.config import StoreConfig, parse_bytes
+from kvtier.server.loop import EVENT_LOOPS
 from kvtier.server.tenants import Tenants
 
 DEFAULT_PORT = 8765
 TOKEN_ENV = "KVTIER_TOKEN"
+EVENT_LOOP_ENV = "KVTIER_EVENT_LOOP"
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,9 @@ class ServeConfig:
     put is acknowledged once the block is in the store's memory."""
     num_threads: int = 8
     """Threads that run the (blocking) store calls so the event loop keeps serving."""
+    event_loop: str = "auto"
+    """``auto`` (uvloop when installed: ``kvtier[fast]``), ``uvloop`` or ``asyncio``
+    (kvtier.server.loop); ``KVTIER_EVENT_LOOP``."""
 
     def __post_init__(self) -> None:
         for name in ("max_namespaces", "max_block_bytes", "max_batch_blocks", "num_threads", "max_connections",
@@ -90,6 +95,8 @@ class ServeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 3600:
                 raise ValueError(f"expected 0 < {name} <= 3600 (seconds), got {value!r}")
+        if self.event_loop not in EVENT_LOOPS:
+            raise ValueError(f"expected event_loop in {list(EVENT_LOOPS)}, got {self.event_loop!r}")
         if not 0 < self.max_pinned_fraction <= 1:
             raise ValueError(f"expected 0 < max_pinned_fraction <= 1, got {self.max_pinned_fraction!r}")
         if self.port is not None and (not isinstance(self.port, int) or not 0 <= self.port < 1 << 16):
@@ -138,7 +145,8 @@ class ServeConfig:
 
     @classmethod
     def from_options(cls, store: StoreConfig, options: Mapping[str, Any], environ: Mapping[str, str] | None = None):
-        """From CLI options (``None`` = not given); the token falls back to ``KVTIER_TOKEN``."""
+        """From CLI options (``None`` = not given); the token falls back to ``KVTIER_TOKEN``,
+        the event loop to ``KVTIER_EVENT_LOOP``."""
         environ = os.environ if environ is None else environ
         values = {k: options[k] for k in ("host", "port", "max_namespaces", "max_batch_blocks", "num_threads",
                                           "max_connections", "idle_timeout_s", "unix_socket", "token_file")
@@ -150,7 +158,8 @@ class ServeConfig:
         if values.get("unix_socket") is not None and options.get("port") is None and options.get("host") is None:
             values["port"] = None  # the socket only, unless a TCP address is asked for too
         token = options.get("token") or (None if values.get("token_file") else environ.get(TOKEN_ENV)) or None
-        return cls(store=store, token=token, durable=bool(options.get("durable")), **values)
+        event_loop = options.get("event_loop") or environ.get(EVENT_LOOP_ENV) or "auto"
+        return cls(store=store, token=token, durable=bool(options.get("durable")), event_loop=event_loop, **values)
 
 
 def is_loopback(host: str) -> bool:

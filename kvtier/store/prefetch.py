@@ -124,6 +124,8 @@ class PrefetchHandle:
         current stream waits for that layer's copy event (no host sync: SGLang HiCache's
         per-layer readiness); elsewhere copies are synchronous and this is :meth:`wait`.
         Call :meth:`wait` afterwards for the result and the lease."""
+        if self._result is not None:  # waited: every copy is done
+            return
         if self.prefetcher.residency.inherited(self.generation):
             self.wait()
             return

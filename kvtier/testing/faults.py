@@ -369,4 +369,5 @@ def abandon(store) -> None:
             env = disk.env.real if isinstance(disk.env, _FaultyEnv) else disk.env
             env.close()  # unmaps without a sync: committed pages stay in the page cache, as after kill -9
             disk.env = None
+            disk.abandon_handles()
             disk._lock_file.close()

@@ -15,8 +15,17 @@ with a release of another version does not wipe it.
 Durability: the environment is opened with ``writemap=True, sync=False``: a committed write
 transaction is in the shared page cache, so it survives a ``kill -9`` of the process (LMDB
 writes the meta page last, so a crash mid-transaction leaves the previous state);
-:meth:`DiskTier.flush` fsyncs for power-loss durability. Reopening the directory rebuilds the
-index (hash -> footprint, LRU order by store sequence) from the records' headers.
+:meth:`DiskTier.flush` fsyncs for power-loss durability. The index (hash -> footprint,
+fingerprint, LRU order by store sequence) is persisted apart from the records
+(:mod:`kvtier.tiers.disk_index`), so reopening reads a few bytes per block; when it does not
+match the records (a crash between the two commits, a directory written by an older release)
+it is rebuilt once from the records' headers.
+
+Reads copy the payload straight out of LMDB's map into the destination (one copy, hashed
+chunk by chunk while hot: :func:`kvtier.records.decode_into`); a cold record comes in by
+the kernel's fault readahead (``read_ahead_kb``, 8 MiB on the test VM). Measured and left
+out (bench/results/2026-12-01-perf/disk.txt): ``pread`` into the destination (slower when
+warm), and ``MADV_RANDOM`` plus ``MADV_WILLNEED`` per record (cold reads 20x slower).
 
 Accounting: ``used_bytes`` is the sum of record footprints, each rounded up to whole LMDB
 pages as LMDB stores large values on overflow pages; it never exceeds ``capacity_bytes``.
@@ -42,6 +51,7 @@ except ImportError:  # only the DISK tier needs it; GPU/CPU tiers run without
     lmdb = None  # type: ignore[assignment]
 
 from kvtier.records import HEADER_NBYTES, VERSION, ReadStatus, decode_into, encode_record, parse_header, record_version
+from kvtier.tiers.disk_index import DiskIndex, IndexDamaged, IndexEntry, open_index, remove_index
 from kvtier.tiers.lru import SegmentedLRU
 from kvtier.types import NO_FINGERPRINT, BlockHash, Fingerprint, Medium
 
@@ -79,8 +89,14 @@ class DiskTier:
             max_dbs=0, max_readers=512, readahead=True,
         )
         self.page_nbytes: int = self.env.stat()["psize"]
+        # which records file the persisted index must belong to (kvtier.tiers.disk_index):
+        # fixed while the environment is open, so read once here, not on every write
+        self._records_ino = (self.path / "data.mdb").stat().st_ino
         if capacity_bytes < self.page_nbytes:
             raise ValueError(f"expected DISK capacity >= {self.page_nbytes} bytes, got {capacity_bytes}")
+        # ~120 B per entry, at most one entry per page of records, B-tree slack: capacity / 16
+        self._index_map_size = (64 << 20) + capacity_bytes // 16
+        self._index: DiskIndex | None = open_index(self.path / "index", self._index_map_size)
         self.capacity_bytes = capacity_bytes
         self._lru: SegmentedLRU[BlockHash, int] = SegmentedLRU(max_ghosts=1 << 16)  # hash -> footprint bytes
         self._fingerprints: dict[BlockHash, Fingerprint] = {}  # hash -> the record's token fingerprint
@@ -99,6 +115,9 @@ class DiskTier:
         """
         self.env.close()  # the child's handle only: the parent's mapping, locks and slots stay
         self.env = lmdb.open(str(self.path), readonly=True, lock=True, max_readers=512, readahead=True)
+        if self._index is not None:
+            self._index.close()  # the child's handle only; it never writes
+            self._index = None
         self._lock = threading.RLock()
         self.read_only = True
         self._lock_file = None  # the parent's flock stays the parent's
@@ -210,7 +229,7 @@ class DiskTier:
                 for h in deletes:
                     txn.delete(h)
                 used = self._used - sum(self._lru.get(h, 0) for h in set(deletes))
-                staged: list[tuple[BlockHash, int, Fingerprint]] = []
+                staged: list[tuple[BlockHash, IndexEntry]] = []
                 for h, namespace, block, *rest in puts:
                     if h in self._lru and h not in deletes:
                         results.append(True)
@@ -231,7 +250,7 @@ class DiskTier:
                     self._seq += 1
                     txn.put(h, encode_record(namespace, block, self._seq, fingerprint))
                     used += size
-                    staged.append((h, size, fingerprint))
+                    staged.append((h, IndexEntry(self._seq, size, fingerprint, False)))
                     results.append(True)
         except (lmdb.Error, OSError, struct.error) as exc:
             # Nothing of this transaction is visible; the index is unchanged.
@@ -243,11 +262,23 @@ class DiskTier:
             size = self._foreign.pop(h)
             self._used -= size
             self._foreign_used -= size
-        for h, size, fingerprint in staged:
-            self._lru.add(h, size)
-            self._fingerprints[h] = fingerprint
-            self._used += size
+        for h, entry in staged:
+            self._lru.add(h, entry.footprint)
+            self._fingerprints[h] = entry.fingerprint
+            self._used += entry.footprint
+        self._update_index(staged, [*deletes, *dropped])
         return results
+
+    def _synced(self) -> tuple[int, int, int]:
+        """The records environment's (data.mdb's inode, last transaction id, entries): what the
+        persisted index must match (kvtier.tiers.disk_index; the inode so that another
+        directory's index with the same history never matches)."""
+        return self._records_ino, self.env.info()["last_txnid"], self.env.stat()["entries"]
+
+    def _update_index(self, puts: Sequence[tuple[BlockHash, IndexEntry]], deletes: Sequence[BlockHash]) -> None:
+        """Record a committed write transaction in the persisted index (under the lock)."""
+        if self._index is not None and (puts or deletes):
+            self._index.update(puts, deletes, self._synced())
 
     def _filesystem_has_room(self, nbytes: int) -> bool:
         """With ``writemap`` a write into a sparse map file on a full filesystem is a SIGBUS,
@@ -277,7 +308,10 @@ class DiskTier:
             dropped = _drop_all(self.env)
             self._lru.clear()
             self._fingerprints.clear()
-            self._used = 0
+            self._foreign.clear()
+            self._used = self._foreign_used = 0
+            if self._index is not None:
+                self._index.rewrite({}, self._synced())
             return dropped
 
     def _forget(self, block_hash: BlockHash, evicted: bool = False) -> None:
@@ -313,42 +347,87 @@ class DiskTier:
                 self.env.sync(True)
             self.env.close()
             self.env = None  # type: ignore[assignment]
+            self.abandon_handles()
             if self._lock_file is not None:
                 self._lock_file.close()  # drops the flock
 
+    def abandon_handles(self) -> None:
+        """After the environment was closed without a sync (kvtier.testing.faults.abandon, a
+        simulated crash): close the persisted index too, unsynced, so the directory can be
+        reopened in this process."""
+        if self._index is not None:
+            self._index.close()
+            self._index = None
+
+    def _load_index(self, synced: tuple[int, int, int]) -> dict[BlockHash, IndexEntry] | None:
+        """The persisted index's entries when it matches ``synced``; ``None`` to rebuild. An
+        index LMDB cannot read is removed and created anew (empty) for the rebuild."""
+        if self._index is None:
+            return None
+        try:
+            return self._index.load(synced)
+        except IndexDamaged as exc:
+            logger.warning("DISK index of %s unreadable (%s): rebuilt from the records", self.path, exc)
+            self._index.close()
+            remove_index(self.path / "index")
+            self._index = open_index(self.path / "index", self._index_map_size)
+            return None
+
     def _rebuild_index(self) -> None:
-        entries: list[tuple[int, BlockHash, int, Fingerprint]] = []
-        bad: list[bytes] = []
-        with self.env.begin(buffers=True) as txn:
-            for key, value in txn.cursor():
-                header = parse_header(value, len(value))
-                if header is not None:
-                    entries.append((header.seq, BlockHash(bytes(key)), self.footprint(header.payload_nbytes),
-                                    header.fingerprint))
-                elif record_version(value) not in (None, VERSION):  # another release's: kept, never served
-                    size = _page_round(len(value) + _OVERFLOW_PAGE_HEADER, self.page_nbytes)
-                    self._foreign[BlockHash(bytes(key))] = size
-                    self._foreign_used += size
-                    self._used += size
-                else:
-                    bad.append(bytes(key))
-        entries.sort()
-        for seq, h, size, fingerprint in entries:
+        """Load the persisted index when it matches the records (a few bytes per block);
+        else rebuild it from every record's header and persist it (a directory written by
+        an older release, or a crash between the records' commit and the index's)."""
+        synced = self._synced()
+        entries = self._load_index(synced)
+        if entries is not None and any(e.footprint <= 0 or e.footprint % self.page_nbytes for e in entries.values()):
+            entries = None  # not what this tier writes: trust the records instead
+        bad: list[BlockHash] = []
+        if entries is None:
+            entries, bad = self._scan_records()
+            logger.info("DISK: index of %s rebuilt from %d records' headers", self.path, len(entries) + len(bad))
+            if self._index is not None:
+                self._index.rewrite(entries, synced)
+        ours = sorted((e.seq, h, e.footprint, e.fingerprint) for h, e in entries.items() if not e.foreign)
+        for seq, h, size, fingerprint in ours:
             self._lru.add(h, size)
             self._fingerprints[h] = fingerprint
             self._used += size
             self._seq = max(self._seq, seq)
+        for h, e in sorted(entries.items()):  # key order: the order other versions' records go
+            if e.foreign:
+                self._foreign[h] = e.footprint
+                self._foreign_used += e.footprint
+                self._used += e.footprint
         if self._foreign:
             logger.info("DISK: %d records of another format version kept (never served; dropped first for room)",
                         len(self._foreign))
         if bad:
             logger.warning("DISK: dropping %d records with unreadable headers", len(bad))
-            self.write_batch(deletes=[BlockHash(k) for k in bad])
+            self.write_batch(deletes=bad)
         # A smaller cap than the data on disk: drop other versions' records, then the least recently stored.
         if self._used > self.capacity_bytes and self._foreign and not self.read_only:
             self._drop_foreign(self._used - self.capacity_bytes)
         while self._used > self.capacity_bytes and len(self._lru):
             self.remove([next(self._lru.eviction_order())])
+
+    def _scan_records(self) -> tuple[dict[BlockHash, IndexEntry], list[BlockHash]]:
+        """Every record's index entry from its header (the slow path: a page or more read
+        per record), and the keys of records whose header is unreadable."""
+        entries: dict[BlockHash, IndexEntry] = {}
+        bad: list[BlockHash] = []
+        with self.env.begin(buffers=True) as txn:
+            for key, value in txn.cursor():
+                h = BlockHash(bytes(key))
+                header = parse_header(value, len(value))
+                if header is not None:
+                    entries[h] = IndexEntry(header.seq, self.footprint(header.payload_nbytes),
+                                            bytes(header.fingerprint), False)
+                elif record_version(value) not in (None, VERSION):  # another release's: kept, never served
+                    size = _page_round(len(value) + _OVERFLOW_PAGE_HEADER, self.page_nbytes)
+                    entries[h] = IndexEntry(0, size, NO_FINGERPRINT, True)
+                else:
+                    bad.append(h)
+        return entries, bad
 
     def _drop_foreign(self, nbytes: int) -> None:
         """Delete records of another version, in key order, until ``nbytes`` are freed."""
@@ -365,6 +444,7 @@ class DiskTier:
             size = self._foreign.pop(h)
             self._used -= size
             self._foreign_used -= size
+        self._update_index((), drop)
 
     def check(self) -> None:
         """Invariant check for tests: index and database agree (fingerprints too), cap
@@ -384,6 +464,16 @@ class DiskTier:
         assert self._foreign_used == sum(foreign.values()), "DISK usage of other versions is off"
         assert self._used == sum(on_disk.values()) + self._foreign_used, "DISK usage accounting is off"
         assert self._used <= self.capacity_bytes, "DISK capacity exceeded"
+        with self._lock:  # the index env has no lock file: its reads and writes are serialized here
+            persisted = self._index.snapshot() if self._index is not None and self._index.valid else None
+        if persisted is not None:
+            assert {h: e.footprint for h, e in persisted.items() if not e.foreign} == on_disk, "DISK persisted index is off"
+            assert {h: e.fingerprint for h, e in persisted.items() if not e.foreign} == fingerprints, \
+                "DISK persisted fingerprints are off"
+            assert {h: e.footprint for h, e in persisted.items() if e.foreign} == foreign, \
+                "DISK persisted index of other versions' records is off"
+            with self._lock:
+                assert self._index.load(self._synced()) is not None, "DISK persisted index is not marked in sync"
 
 
 def clear_directory(path: str | os.PathLike) -> int:

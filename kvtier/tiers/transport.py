@@ -44,12 +44,16 @@ class Failed(Exception):
 
 
 class _Watchdog:
-    """One thread that shuts down sockets whose deadline has passed."""
+    """One thread that shuts down sockets whose deadline has passed. It is woken only when
+    a socket is armed with a deadline before its next check (under steady traffic of calls
+    with the same timeout: about once per timeout, not once per call: a thread switch per
+    lookup would cost more than the lookup's own client work)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._armed: dict[int, tuple[float, socket.socket]] = {}
         self._next = 0
+        self._wakes_at = float("inf")  # when the thread checks next (inf: not started)
         self._thread: threading.Thread | None = None
 
     def arm(self, sock: socket.socket, deadline: float) -> int:
@@ -59,7 +63,9 @@ class _Watchdog:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kvtier-remote-watchdog", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if deadline < self._wakes_at:
+                self._wakes_at = deadline  # set here too: arms before the thread wakes do not notify again
+                self._cond.notify()
             return self._next
 
     def disarm(self, token: int) -> None:
@@ -78,7 +84,8 @@ class _Watchdog:
                         except OSError:
                             pass
                 next_deadline = min((d for d, _ in self._armed.values()), default=now + 60.0)
-                self._cond.wait(max(0.001, next_deadline - now))
+                self._wakes_at = max(now + 0.001, next_deadline)
+                self._cond.wait(self._wakes_at - now)
 
 
 WATCHDOG = _Watchdog()
@@ -115,11 +122,23 @@ def call(timeout_s: float, signer: Signer | None = None) -> Iterator[Call]:
             WATCHDOG.disarm(token)
 
 
+_ONE_SEND_NBYTES = 64 << 10
+"""A bytes body up to this size goes out in one send with the request's headers."""
+
+
 class _Armed:
     """Connection mixin: connect, arm the socket with the current call's deadline and sign
-    the request, then send it."""
+    the request, then send it: a small bytes body (lookup, get request, register) in the same
+    ``send`` as the headers (urllib3 sends them apart: two packets, and two wake-ups and
+    parser runs on the daemon per call)."""
+
+    _body_with_headers: bytes | None = None
 
     def request(self, method: str, url: str, body: Any = None, headers: Any = None, **kwargs: Any) -> None:
+        self._body_with_headers = None
+        if isinstance(body, bytes) and len(body) <= _ONE_SEND_NBYTES:
+            headers = {**(headers or {}), "Content-Length": str(len(body))}
+            body, self._body_with_headers = None, body
         ctx: Call | None = getattr(_CURRENT, "call", None)
         if ctx is not None and ctx.expired():
             raise urllib3.exceptions.ReadTimeoutError(None, url, "call deadline passed")  # type: ignore[arg-type]
@@ -131,6 +150,13 @@ class _Armed:
                 value, ctx.counter = ctx.signer(method, url, endpoint(self.sock.getpeername()))  # type: ignore
                 headers = {**(headers or {}), "Authorization": value}
         super().request(method, url, body=body, headers=headers, **kwargs)  # type: ignore[misc]
+
+    def send(self, data: Any) -> None:
+        """The first send after the headers were buffered (``http.client``'s header block)
+        carries the small body along."""
+        if self._body_with_headers is not None and isinstance(data, bytes):
+            data, self._body_with_headers = data + self._body_with_headers, None
+        super().send(data)  # type: ignore[misc]
 
 
 class _TCP(_Armed, HTTPConnection):
@@ -249,6 +275,12 @@ def read_capped(response, cap: int, ctx: Call) -> bytes:
         raise Failed("protocol")
     out = bytearray()
     try:
+        if declared is not None:  # one read of the declared length (no second read to find the end)
+            body = response.read(int(declared))
+            if len(body) < int(declared):
+                raise OSError("the reply ended before its Content-Length")
+            response.release_conn()
+            return body
         while True:
             piece = response.read(min(64 << 10, cap + 1 - len(out)))
             if not piece:

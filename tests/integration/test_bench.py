@@ -58,7 +58,7 @@ def test_tiers_bench_writes_rows_with_same_run_baselines(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "tiers.py"), "--total-bytes", "16MiB", "--repeats", "1",
-         "--json", str(out), "--dir", str(tmp_path)],
+         "--open-bytes", "16MiB", "--json", str(out), "--dir", str(tmp_path)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -66,10 +66,15 @@ def test_tiers_bench_writes_rows_with_same_run_baselines(tmp_path):
     data = json.loads(out.read_text())
     assert data["bench"] == "tiers"
     metrics = [row["metric"] for row in data["rows"]]
-    for prefix in ("GPU put", "GPU get", "CPU put", "CPU get", "DISK put", "DISK get"):
+    for prefix in ("GPU put", "GPU get", "CPU put", "CPU get", "DISK put", "DISK get", "DISK open"):
         assert any(m.startswith(prefix) for m in metrics), f"no {prefix} row in {metrics}"
+    opened = {row["unit"]: row for row in data["rows"] if row["metric"].startswith("DISK open")}
+    assert set(opened) == {"ms", "MB"} and 0 < opened["MB"]["baseline"] and opened["ms"]["value"] > 0
+    assert opened["MB"]["ratio"] < 0.5  # the index, not the records, is read on open
     for row in data["rows"]:
         assert set(row) == ROW_KEYS
+        if row["metric"].startswith("DISK open"):
+            continue
         assert row["value"] > 0 and row["unit"] == "GB/s"
         assert row["baseline"] is not None and row["baseline"] > 0  # every tier row has one here
         assert math.isclose(row["ratio"], row["value"] / row["baseline"], rel_tol=1e-9)
@@ -90,3 +95,26 @@ def test_kv_bytes_rows_follow_from_the_layout(tmp_path):
     assert windowed.value * 1024 == pytest.approx(expected)
     assert windowed.baseline == every.value and windowed.ratio == pytest.approx(expected / (62 * per_layer))
     assert rows["Mistral-7B-v0.1 (sliding 4096) @4k: window-only"].ratio == 1.0  # the window holds the whole cut
+
+
+@pytest.mark.slow
+def test_hit_path_bench_checks_the_hit_and_writes_rows_with_same_run_baselines(tmp_path):
+    """tiny-llama (2 layers), one 64-token prefix: before_prefill from CPU and from DISK, each
+    beside one copy_ of the same bytes; the bench itself asserts the hit is bit-exact."""
+    out = tmp_path / "hit.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "hit_path.py"), "--model", "tiny-llama", "--lengths", "64",
+         "--repeats", "1", "--threads", "1", "--json", str(out), "--dir", str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    metrics = [row["metric"] for row in rows]
+    assert any(m.startswith("before_prefill: CPU hit, 64 tokens") for m in metrics), metrics
+    assert any(m.startswith("before_prefill: DISK hit, 64 tokens") for m in metrics), metrics
+    assert any("DiskTier.read_into" in m for m in metrics), metrics
+    for row in rows:
+        assert set(row) == ROW_KEYS and row["unit"] == "ms" and row["value"] > 0 and row["baseline"] > 0
+        assert math.isclose(row["ratio"], row["value"] / row["baseline"], rel_tol=1e-9)
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]  # the bench removed its temp dir

@@ -23,6 +23,14 @@ from tests.unit.server.conftest import SPEC, frames, hashes, ns_url
 
 import torch
 
+@pytest.fixture(params=["asyncio", "uvloop"])
+def secure_daemon(request, secure_daemon):
+    """Every deadline on both event loops the daemon runs on (kvtier.server.loop)."""
+    if request.param == "uvloop":
+        pytest.importorskip("uvloop")
+    return lambda store_data_dir=None, **kwargs: secure_daemon(store_data_dir, event_loop=request.param, **kwargs)
+
+
 BIG = KVSpec(num_layers=4, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.float16)  # 256 KiB blocks
 
 
@@ -116,7 +124,7 @@ def test_a_client_that_never_reads_its_blocks_is_cut_and_its_pins_freed(secure_d
 
 
 def test_idle_connections_and_headers_that_never_end_are_closed(secure_daemon):
-    daemon = secure_daemon()  # idle_timeout_s 1
+    daemon = secure_daemon(idle_timeout_s=0.4)
     idle = [socket.create_connection(("127.0.0.1", daemon.port)) for _ in range(20)]
     slowloris = socket.create_connection(("127.0.0.1", daemon.port))
     slowloris.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")

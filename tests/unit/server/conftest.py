@@ -24,6 +24,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from kvtier.config import StoreConfig
 from kvtier.records import HEADER_NBYTES, encode_header, parse_header
 from kvtier.server.app import make_app
+from kvtier.server.loop import loop_factory
 from kvtier.server.serve import start
 from kvtier.server.settings import ServeConfig
 from kvtier.wire import END, FRAMES, MSGPACK, block_bytes, frame_prefix, pack, spec_to_wire
@@ -138,7 +139,7 @@ class ThreadDaemon:
         return f"unix://{self.settings.unix_socket}"
 
     def start(self) -> "ThreadDaemon":
-        self._loop = asyncio.new_event_loop()
+        self._loop = loop_factory(self.settings.event_loop)[0]()  # uvloop when installed, as kvtier serve
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(30)
@@ -189,6 +190,8 @@ class Subprocess:
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.url = ""
+        self.announce = ""
+        """The start-up line (kvtier.server.serve)."""
         self.log = data_dir.parent / "daemon.log"
 
     def start(self, timeout_s: float = 60.0) -> "Subprocess":
@@ -209,6 +212,7 @@ class Subprocess:
             self.kill()
             raise RuntimeError(f"daemon did not start: {text!r}; log: {self.log.read_text()[-2000:]}")
         self.url = text.split("listening on ", 1)[1].split()[0]
+        self.announce = text
         return self
 
     def kill(self, sig: int = signal.SIGKILL) -> int | None:

@@ -46,7 +46,8 @@ class FakeRedis(socketserver.ThreadingTCPServer):
         self.huge_nbytes = 64 << 20
         self.sent_huge_bytes = 0
         self.lock = threading.Lock()
-        self._thread = threading.Thread(target=self.serve_forever, daemon=True)
+        # shutdown() waits up to one poll interval (0.5 s by default) for the loop to notice
+        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
         self._thread.start()
 
     @property
