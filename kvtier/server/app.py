@@ -46,7 +46,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from kvtier.checks import BatchTooLarge, check_block_hashes, namespace_hex, parse_display_name, parse_namespace
+from kvtier.checks import BatchTooLarge, CheckedHashes, checked_block_hashes, namespace_hex, parse_display_name, parse_namespace
 from kvtier.dashboard import setup_observability
 from kvtier.server import admin, frames, observe
 from kvtier.server.auth import CALLER, AuthError, Sessions, add_proof, authenticate, hello, unauthorized
@@ -205,10 +205,12 @@ async def _body_map(request: web.Request, what: str) -> dict:
         raise error(web.HTTPBadRequest, str(exc)) from None
 
 
-async def _hashes(request: web.Request, what: str) -> list:
+async def _hashes(request: web.Request, what: str) -> CheckedHashes:
+    """The body's ``block_hashes``, checked once here (the store trusts a
+    :class:`~kvtier.checks.CheckedHashes`): 400 bad, 413 over ``--max-batch-blocks``."""
     obj = await _body_map(request, what)
     try:
-        return check_block_hashes(obj.get("block_hashes"), request.app[SETTINGS].max_batch_blocks)
+        return checked_block_hashes(obj.get("block_hashes"), request.app[SETTINGS].max_batch_blocks)
     except BatchTooLarge as exc:
         raise error(web.HTTPRequestEntityTooLarge, f"{exc} (--max-batch-blocks)") from None
     except ValueError as exc:

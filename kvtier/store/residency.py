@@ -194,6 +194,12 @@ class Residency:
     def is_pending(self, medium: Medium, block_hash: BlockHash) -> bool:
         return (medium, block_hash) in self._pending
 
+    def pending_slots(self) -> frozenset[tuple[Medium, BlockHash]] | set[tuple[Medium, BlockHash]]:
+        """The current generation's pending ``(medium, block_hash)`` pairs, to test many
+        blocks in one pass (:meth:`~kvtier.store.placement.Placement.local_prefix`); the
+        live set, valid while the caller holds the lock: read it, never change it."""
+        return self._pending
+
     def add_pending(self, medium: Medium, block_hash: BlockHash) -> None:
         """``block_hash``'s slot in ``medium`` has a transfer or store in flight."""
         self._pending.add((medium, block_hash))

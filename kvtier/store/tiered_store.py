@@ -48,7 +48,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from kvtier.checks import check_block_hashes, check_fingerprints, check_namespace
+from kvtier.checks import CheckedHashes, check_block_hashes, check_fingerprints, check_namespace
 from kvtier.config import StoreConfig
 from kvtier.store import misses
 from kvtier.store.events import AllBlocksCleared, EventBatch, KVEventPublisher
@@ -498,5 +498,7 @@ class TieredStore:
 
 def _check_hashes(block_hashes: Sequence[BlockHash]) -> None:
     """Block hashes are ``bytes`` of 16 or 32 bytes (kvtier.checks); anything else would
-    poison the index and fail later inside other requests' spills."""
-    check_block_hashes(block_hashes)
+    poison the index and fail later inside other requests' spills. A
+    :class:`~kvtier.checks.CheckedHashes` was checked when it was made (immutable: still valid)."""
+    if type(block_hashes) is not CheckedHashes:
+        check_block_hashes(block_hashes)

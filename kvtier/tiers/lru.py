@@ -20,7 +20,7 @@ reuse distance exceeds the cache (a hot prompt between long scans) from missing 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Generic, Hashable, Iterator, TypeVar
+from typing import Generic, Hashable, Iterator, Mapping, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -42,6 +42,12 @@ class SegmentedLRU(Generic[K, V]):
 
     def __len__(self) -> int:
         return len(self._probation) + len(self._protected)
+
+    def segments(self) -> tuple[Mapping[K, V], Mapping[K, V]]:
+        """The two segments (probation, protected): ``key in self`` is ``key in`` either.
+        For callers that test many keys in one loop (a function call per key costs more
+        than the test itself); read them, never change them."""
+        return self._probation, self._protected
 
     def get(self, key: K, default: V | None = None) -> V | None:
         if key in self._probation:

@@ -15,7 +15,7 @@ pinned blocks) and where a victim goes. Expected pressure is a return value:
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 
@@ -69,6 +69,11 @@ class BlockPool:
 
     def __len__(self) -> int:
         return len(self._lru)
+
+    def index_segments(self) -> tuple[Mapping[BlockHash, int], Mapping[BlockHash, int]]:
+        """The index's two segments (``block_hash -> block_id``): a block is here iff it is
+        in either (:meth:`kvtier.tiers.lru.SegmentedLRU.segments`; read only)."""
+        return self._lru.segments()
 
     def block_id(self, block_hash: BlockHash) -> int | None:
         return self._lru.get(block_hash)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvtier.tiers.disk import DiskTier
+from kvtier.types import Medium
 from tests.conftest import NS, chain, random_blocks, read_back, stored_then_reopened, tiny_spec
 
 SPEC = tiny_spec()
@@ -120,3 +121,47 @@ def test_tail_first_eviction_order_within_a_request(make_store):
     store.store(chain(1, SPEC, NS, start=600), random_blocks(SPEC, 1))
     assert [h in store.top for h in first] == [True, True, False, False]
 
+
+
+def test_local_prefix_in_one_pass_agrees_with_medium_of_per_block(make_store):
+    """local_prefix tests every tier in one loop (issue 17): the same media as medium_of per
+    block, through GPU, CPU and DISK, a pending slot (a store in flight) not counted where it
+    is pending, and the prefix ending at the first block no tier holds."""
+    store = make_store(gpu_blocks=4, cpu_blocks=4, disk_blocks=16)
+    hashes = chain(12, SPEC, NS)
+    assert store.store(hashes[:10], random_blocks(SPEC, 10)) == 10  # older blocks spill to CPU, DISK
+    handle = store.prepare_store(hashes[10:11])  # pending in the top pool: invisible
+    try:
+        placement = store.placement
+        expected = []
+        for h in hashes:
+            medium = placement.medium_of(h)
+            if medium is None:
+                break
+            expected.append(medium)
+        with store.residency.lock:
+            got = placement.local_prefix(hashes)
+        assert got == expected and len(got) == 10
+        assert {Medium.GPU, Medium.CPU, Medium.DISK} <= set(got)
+        assert store.lookup(hashes).media == expected
+    finally:
+        store.complete_store(handle, success=False)
+    assert placement.local_prefix(hashes[10:]) == []
+
+
+def test_checked_hashes_skip_the_second_check_and_bad_hashes_still_raise(make_store):
+    """The daemon checks a request's hashes once (CheckedHashes); the store trusts those and
+    still refuses anything else."""
+    from kvtier.checks import CheckedHashes, checked_block_hashes
+
+    store = make_store(gpu_blocks=4)
+    hashes = chain(2, SPEC, NS)
+    store.store(hashes, random_blocks(SPEC, 2))
+    checked = checked_block_hashes(list(hashes))
+    assert type(checked) is CheckedHashes and list(checked) == hashes
+    assert store.lookup(checked).num_hit_blocks == 2
+    for bad in ([b"short"], [hashes[0], "x" * 32], (bytearray(32),)):
+        with pytest.raises(ValueError):
+            store.lookup(bad)
+        with pytest.raises(ValueError):
+            checked_block_hashes(bad)
