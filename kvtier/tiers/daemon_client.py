@@ -22,7 +22,7 @@ from urllib3.util.retry import Retry
 from kvtier import auth
 from kvtier.checks import check_namespace, namespace_hex, parse_tenant
 from kvtier.tiers.backoff import MAX_S, MIN_S, Backoff
-from kvtier.tiers.transport import Call, Failed, call, discard, is_timeout, make_pool, read_capped
+from kvtier.tiers.transport import Call, Failed, call, discard, is_timeout, make_pool, quick_request, read_capped
 from kvtier.wire import unpack_map
 
 logger = logging.getLogger("kvtier.tiers.remote")
@@ -84,6 +84,15 @@ class DaemonClient:
         )
         self._root = base
         self._base = base + "/v1/namespaces/"
+        # Small calls go through quick_request on open pooled connections (plain HTTP and
+        # Unix sockets): the Host header http.client would send.
+        host = self._pool.host
+        self._quick_host: str | None = None
+        if kind == "unix":
+            self._quick_host = "localhost"
+        elif kind == "http":
+            host = f"[{host}]" if ":" in host else host
+            self._quick_host = host if self._pool.port in (None, 80) else f"{host}:{self._pool.port}"
         self._session = _Session(token) if token and kind == "http" else None
         self._headers = {"Authorization": f"Bearer {token}"} if token and self._session is None else {}
         self._lock = threading.Lock()
@@ -149,13 +158,18 @@ class DaemonClient:
 
     # -- HTTP -------------------------------------------------------------------------------------
     def _request(self, ctx: Call, method: str, path: str, body: Any, content_type: str | None, *,
-                 headers: dict | None = None, probe: bool = True, read_timeout_s: float | None = None):
+                 headers: dict | None = None, probe: bool = True, read_timeout_s: float | None = None,
+                 quick_cap: int | None = None):
         """One HTTP exchange (urllib3 retries fast failures), signed and proven when the
         daemon is reached over ``http://`` with a token; a session the daemon forgot (it
         restarted) is opened again once. Any status comes back, its body unread. Raises
-        :class:`Failed` when the daemon cannot be reached, does not prove itself, or is busy."""
+        :class:`Failed` when the daemon cannot be reached, does not prove itself, or is busy.
+        ``quick_cap``: an idempotent call with a small bytes body whose reply is at most that
+        many bytes, sent through :func:`~kvtier.tiers.transport.quick_request` when a pooled
+        connection is open (its reply is read whole)."""
         for attempt in range(2):
-            response = self._exchange(ctx, method, path, body, content_type, headers, probe, read_timeout_s)
+            response = self._exchange(ctx, method, path, body, content_type, headers, probe, read_timeout_s,
+                                      quick_cap)
             if self._session is None:
                 return response
             if response.status == 401 and 'error="renew"' in response.headers.get("WWW-Authenticate", ""):
@@ -176,7 +190,8 @@ class DaemonClient:
         raise AssertionError("unreachable")
 
     def _exchange(self, ctx: Call, method: str, path: str, body: Any, content_type: str | None,
-                  headers: dict | None, probe: bool, read_timeout_s: float | None = None):
+                  headers: dict | None, probe: bool, read_timeout_s: float | None = None,
+                  quick_cap: int | None = None):
         if self._closed:
             raise Failed("unavailable")
         if probe and self.backoff.paused():
@@ -184,6 +199,15 @@ class DaemonClient:
         all_headers = {**self._headers, **(headers or {})}
         if content_type is not None:
             all_headers["Content-Type"] = content_type
+        if quick_cap is not None and self._quick_host is not None and isinstance(body, bytes) and not read_timeout_s:
+            try:
+                response = quick_request(self._pool, self._quick_host, method, path, body, all_headers, quick_cap, ctx)
+            except Failed as exc:
+                if exc.reason != "protocol":
+                    self._down(exc.reason)
+                raise
+            if response is not None:
+                return self._checked(response)
         try:
             longer = {"timeout": urllib3.Timeout(connect=self.timeout_s, read=read_timeout_s)} if read_timeout_s else {}
             response = self._pool.urlopen(method, path, body=body, headers=all_headers, preload_content=False,
@@ -194,6 +218,10 @@ class DaemonClient:
         except (HTTPError, OSError, http.client.HTTPException) as exc:
             self._down(exc)
             raise Failed("timeout" if is_timeout(exc) or ctx.expired() else "unavailable") from None
+        return self._checked(response)
+
+    def _checked(self, response):
+        """``response``, unless it says the daemon is busy (503 with Retry-After) or failing (5xx)."""
         if response.status == 503 and response.headers.get("Retry-After"):
             discard(response, drop=True)
             raise Failed("busy")  # up, but no room now: no pause

@@ -223,7 +223,9 @@ class RemoteTier(DaemonClient):
 
     # -- calls ------------------------------------------------------------------------------------
     def _small_call(self, ctx: Call, namespace: bytes, op: str, obj: dict, cap: int) -> dict:
-        response = self._call(ctx, namespace, "POST", op, pack(obj), MSGPACK)
+        """An idempotent call with a small reply (lookup): on an open pooled connection it
+        skips urllib3 (kvtier.tiers.transport.quick_request)."""
+        response = self._call(ctx, namespace, "POST", op, pack(obj), MSGPACK, quick_cap=cap)
         try:
             return unpack_map(read_capped(response, cap, ctx), op)
         except ValueError:
@@ -303,7 +305,7 @@ class RemoteTier(DaemonClient):
                 self._max_batch = min(limit, 4096)
 
     def _call(self, ctx: Call, namespace: bytes, method: str, op: str, body: Any, content_type: str, *,
-              headers: dict | None = None):
+              headers: dict | None = None, quick_cap: int | None = None):
         """A call on ``namespace`` that returned 200; registers it first (again after a 404)
         when this client knows its spec. Raises :class:`Failed`."""
         if namespace in self._refused:
@@ -314,7 +316,7 @@ class RemoteTier(DaemonClient):
             if spec is not None and namespace not in self._registered:
                 self._register(ctx, namespace, spec)
             path = f"{self._base}{namespace_hex(namespace)}/{op}"
-            response = self._request(ctx, method, path, body, content_type, headers=headers)
+            response = self._request(ctx, method, path, body, content_type, headers=headers, quick_cap=quick_cap)
             if response.status == 404 and attempt == 0 and spec is not None:
                 discard(response, drop=True)
                 with self._lock:

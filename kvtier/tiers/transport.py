@@ -217,6 +217,175 @@ def make_pool(url: str, **kwargs: Any) -> tuple[HTTPConnectionPool, str, str]:
     return cls(parsed.host, port=parsed.port, **kwargs), (parsed.path or "").rstrip("/"), parsed.scheme
 
 
+class QuickResponse:
+    """The reply of :func:`quick_request`, read whole (status line, headers, a body of its
+    ``Content-Length``): the parts of urllib3's response interface that :func:`read_capped`,
+    :func:`discard` and the daemon client use."""
+
+    def __init__(self, status: int, headers: dict[str, str], body: bytes, pool, conn) -> None:
+        self.status, self.headers, self._body = status, _Headers(headers), body
+        self._pool, self._conn = pool, conn
+
+    def read(self, amt: int | None = None) -> bytes:
+        body = self._body if amt is None else self._body[:amt]
+        self._body = self._body[len(body) :]
+        return body
+
+    def release_conn(self) -> None:
+        """Hand the connection back to the pool (closed first when the daemon said it closes it)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            if self.headers.get("Connection", "").lower() == "close":
+                conn.close()
+            self._pool._put_conn(conn)
+
+    def drain_conn(self) -> None:
+        self._body = b""
+
+    def close(self) -> None:
+        """Drop the connection (closed, its pool slot freed)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+            self._pool._put_conn(conn)
+
+
+class _Headers(dict):
+    """Reply headers by lowercase name (the first of repeated ones), looked up in any case."""
+
+    def get(self, name: str, default=None):  # type: ignore[override]
+        return super().get(name.lower(), default)
+
+
+QUICK_HEAD_NBYTES = 16 << 10
+"""Most bytes of status line and headers :func:`quick_request` reads (the daemon sends ~200)."""
+
+
+def quick_request(pool, host_header: str, method: str, url: str, body: bytes, headers: dict[str, str], cap: int,
+                  ctx: Call) -> QuickResponse | None:
+    """A small idempotent call (a lookup) on a pooled connection that is already open,
+    written and read here rather than by urllib3 and ``http.client``, whose request building
+    and (``email`` package) header parsing were about 2/3 of a lookup's client CPU on
+    loopback (issue 17): one ``sendall`` of the request line, headers and body, then
+    ``recv`` until the headers end and the ``Content-Length`` body is in.
+
+    Same rules as the urllib3 path: the socket is armed with the call's deadline (the
+    watchdog), the request signed for the socket's peer (kvtier.auth), a reply over ``cap``
+    bytes refused before its body is read (``protocol``), and so is a reply without a
+    ``Content-Length`` (the daemon always sends one for small calls) or one whose headers
+    exceed :data:`QUICK_HEAD_NBYTES`.
+
+    Returns ``None``, having sent nothing or got no byte back, when there is no open pooled
+    connection, the call's deadline already passed, or the connection turns out closed or
+    reset (a keep-alive the daemon dropped): the caller then goes through urllib3 (which
+    connects and retries). Raises :class:`Failed` (``timeout``, ``unavailable``,
+    ``protocol``) once the reply has begun or the wait timed out."""
+    if ctx.expired():
+        return None
+    try:
+        conn = pool._get_conn()
+    except HTTPError:  # the pool was closed: urllib3 says so the usual way
+        return None
+    sock = getattr(conn, "sock", None)
+    if sock is None:  # a new connection: urllib3 connects it
+        pool._put_conn(conn)
+        return None
+    try:
+        lines = [f"{method} {url} HTTP/1.1", f"Host: {host_header}", "Accept-Encoding: identity",
+                 f"Content-Length: {len(body)}"]
+        lines += [f"{k}: {v}" for k, v in headers.items()]
+        ctx.tokens.append(WATCHDOG.arm(sock, ctx.deadline))
+        if ctx.signer is not None:
+            value, ctx.counter = ctx.signer(method, url, endpoint(sock.getpeername()))
+            lines.append(f"Authorization: {value}")
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
+        status, reply_headers, rest = _read_head(sock)
+    except _Stale:
+        conn.close()
+        pool._put_conn(conn)
+        return None
+    except Failed:
+        conn.close()
+        pool._put_conn(conn)
+        raise
+    except (OSError, ValueError) as exc:  # a timeout, a reset after the reply began, a bad header
+        conn.close()
+        pool._put_conn(conn)
+        if isinstance(exc, ValueError):
+            raise Failed("protocol") from None
+        raise Failed("timeout" if ctx.expired() or isinstance(exc, TimeoutError) else "unavailable") from None
+    response = QuickResponse(status, reply_headers, b"", pool, conn)
+    declared = reply_headers.get("content-length")
+    if declared is None or not declared.isdigit() or int(declared) > cap:
+        response.close()
+        raise Failed("protocol")
+    try:
+        response._body = _read_exactly(sock, int(declared), rest)
+    except OSError:
+        response.close()
+        raise Failed("timeout" if ctx.expired() else "unavailable") from None
+    return response
+
+
+class _Stale(Exception):
+    """The connection was closed or reset before any byte of the reply came."""
+
+
+def _read_head(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """``(status, headers by lowercase name, bytes read past them)``; raises :class:`_Stale`,
+    ``ValueError`` (not HTTP/1.x, headers too long), ``OSError``."""
+    buf = b""
+    while True:
+        try:
+            data = sock.recv(65536)
+        except (ConnectionResetError, BrokenPipeError):
+            if buf:
+                raise
+            raise _Stale from None
+        if not data:
+            if buf:
+                raise ConnectionResetError("the reply ended inside its headers")
+            raise _Stale
+        start = max(0, len(buf) - 3)
+        buf += data
+        end = buf.find(b"\r\n\r\n", start)
+        if end >= 0:
+            break
+        if len(buf) > QUICK_HEAD_NBYTES:
+            raise ValueError("reply headers too long")
+    head, rest = buf[:end].decode("latin-1"), buf[end + 4 :]
+    status_line, *lines = head.split("\r\n")
+    version, _, tail = status_line.partition(" ")
+    code = tail[:3]
+    if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
+        raise ValueError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
+    headers: dict[str, str] = {}
+    for line in lines:
+        name, colon, value = line.partition(":")
+        if not colon or not name or name != name.strip():
+            raise ValueError(f"bad header line {line[:80]!r}")
+        headers.setdefault(name.lower(), value.strip())
+    if "transfer-encoding" in headers:
+        raise ValueError("a chunked reply to a small call")
+    return int(code), headers, rest
+
+
+def _read_exactly(sock: socket.socket, n: int, got: bytes) -> bytes:
+    if len(got) >= n:
+        if len(got) > n:
+            raise ConnectionResetError("bytes after the reply (HTTP/1.1 allows one call at a time)")
+        return got
+    buf = bytearray(n)
+    buf[: len(got)] = got
+    view, offset = memoryview(buf), len(got)
+    while offset < n:
+        k = sock.recv_into(view[offset:])
+        if not k:
+            raise ConnectionResetError("the reply ended inside its body")
+        offset += k
+    return bytes(buf)
+
+
 def is_timeout(error: object) -> bool:
     """A connect or read timeout (urllib3 makes a refused connection a kind of timeout)."""
     return isinstance(error, Urllib3Timeout) and not isinstance(error, NewConnectionError)
