@@ -27,9 +27,11 @@ admin token (kvtier.server.tenants)::
 caller's tenant and the namespace, so two tenants never share a block. Errors are JSON
 ``{"error": message}`` (400, 401, 403, 404, 408, 409, 413, 415, 421, 503, 507).
 
-Middlewares, outermost first: errors (JSON), the connection supervisor (deadlines,
-kvtier.server.connections), the guard (Host, Origin, Content-Type: kvtier.server.guard),
-then auth and access (kvtier.server.auth).
+One middleware (:func:`_calls`) runs, in order: errors (JSON, outermost:
+kvtier.server.errors), the connection supervisor (deadlines, kvtier.server.connections), the
+guard (Host, Origin, Content-Type: kvtier.server.guard), then auth and access
+(kvtier.server.auth). They were four middlewares; one saves aiohttp's wrapper and a coroutine
+per layer on every call (issue 17: per-request work on the lookup path).
 
 Extending (kvtier.dashboard, explain, KV events): ``app = make_app(settings)``, then
 ``app.router.add_get(path, handler)`` and say who may call it: ``app[ACCESS][("GET", path)] =
@@ -51,8 +53,8 @@ from kvtier.dashboard import setup_observability
 from kvtier.server import admin, frames, observe
 from kvtier.server.auth import CALLER, AuthError, Sessions, add_proof, authenticate, hello, unauthorized
 from kvtier.server.connections import SUPERVISOR, Budget, Supervisor, own_deadline
-from kvtier.server.errors import Handler, error, errors_middleware
-from kvtier.server.guard import ALLOWED_HOSTS, BODY_TYPES, guard_middleware
+from kvtier.server.errors import Handler, error, error_response
+from kvtier.server.guard import ALLOWED_HOSTS, BODY_TYPES, check_request
 from kvtier.server.keys import (ACCESS, OPENAPI_PATHS, PUBLIC_PATHS, REGISTRY, SESSIONS, SETTINGS, STAGING,
                                 TENANT_VIEWS)
 from kvtier.server.openapi import openapi
@@ -75,8 +77,7 @@ def make_app(settings: ServeConfig) -> web.Application:
     # Bodies read whole (register, lookup, get requests) are small: hashes only. Puts stream.
     client_max_size = 64 * settings.max_batch_blocks + (64 << 10)
     supervisor = Supervisor(settings.idle_timeout_s, settings.request_timeout_s, settings.max_connections)
-    app = web.Application(client_max_size=client_max_size, middlewares=[
-        errors_middleware, supervisor.middleware, guard_middleware, _access])
+    app = web.Application(client_max_size=client_max_size, middlewares=[_calls(supervisor)])
     app[SETTINGS] = settings
     app[SUPERVISOR] = supervisor
     app[REGISTRY] = Registry(settings, tenants)
@@ -147,28 +148,48 @@ async def _registry_ctx(app: web.Application) -> AsyncIterator[None]:
         await registry.close()
 
 
-# -- access ------------------------------------------------------------------------------------
-@web.middleware
-async def _access(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Authenticate (before any body is read), then apply the route's access."""
+# -- the middleware ----------------------------------------------------------------------------
+def _calls(supervisor: Supervisor):
+    """The daemon's one middleware (module docstring): errors_middleware(supervisor.middleware(
+    guard_middleware(access(handler)))) in one coroutine."""
+
+    @web.middleware
+    async def calls(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            conn = supervisor.begin(request)
+            try:
+                check_request(request)
+                return await _access(request, handler)(request)
+            finally:
+                supervisor.end(conn)
+        except Exception as exc:
+            return error_response(request, exc)
+
+    return calls
+
+
+def _access(request: web.Request, handler: Handler) -> Handler:
+    """Authenticate (before any body is read), then apply the route's access: the handler to
+    run (``handler``, or a tenant's view of an admin route); raises 401 or 403."""
     resource = request.match_info.route.resource
     path = resource.canonical if resource is not None else None
-    access = request.app[ACCESS].get((request.method, path), "admin")
-    if access == "public" or request.path in request.app[PUBLIC_PATHS]:
-        return await handler(request)
+    app = request.app
+    access = app[ACCESS].get((request.method, path), "admin")
+    if access == "public" or request.path in app[PUBLIC_PATHS]:
+        return handler
     try:
-        caller = authenticate(request, request.app[REGISTRY].tenants, request.app[SESSIONS])
+        caller = authenticate(request, app[REGISTRY].tenants, app[SESSIONS])
     except AuthError as exc:
         raise unauthorized(exc) from None
     request[CALLER] = caller
     if caller.admin:
-        return await handler(request)
-    view = request.app[TENANT_VIEWS].get(path)
+        return handler
+    view = app[TENANT_VIEWS].get(path)
     if view is not None:
-        return await view(request)
+        return view
     if access != "tenant" and path is not None:  # no route: the router's 404 or 405
         raise error(web.HTTPForbidden, f"{request.method} {path or request.path[:100]} needs an admin token")
-    return await handler(request)
+    return handler
 
 
 # -- helpers -----------------------------------------------------------------------------------

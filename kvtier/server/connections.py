@@ -144,13 +144,24 @@ class Supervisor:
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Mark the call in progress (deadline ``request_timeout_s`` unless it streams)."""
-        conn = self.conns.get(request.protocol)
-        if conn is None:  # a test server without the supervisor
-            return await handler(request)
-        conn.task, conn.deadline = asyncio.current_task(), time.monotonic() + self.request_timeout_s
+        conn = self.begin(request)
         try:
             return await handler(request)
         finally:
+            self.end(conn)
+
+    def begin(self, request: web.Request) -> Conn | None:
+        """The call of ``request`` starts: its connection is busy, with the call deadline
+        (``None``: a test server without the supervisor). Pair with :meth:`end`."""
+        conn = self.conns.get(request.protocol)
+        if conn is not None:
+            conn.task, conn.deadline = asyncio.current_task(), time.monotonic() + self.request_timeout_s
+        return conn
+
+    @staticmethod
+    def end(conn: Conn | None) -> None:
+        """The call is over (answered, failed or cancelled): the connection is idle from now."""
+        if conn is not None:
             conn.task, conn.deadline, conn.since = None, None, time.monotonic()
 
 

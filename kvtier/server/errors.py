@@ -89,18 +89,26 @@ def error(cls: type[web.HTTPException], message: str) -> web.HTTPException:
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error as JSON with a message; an unexpected exception is a 500, logged (rate
-    limited), and the daemon keeps serving."""
+    limited), and the daemon keeps serving (:func:`error_response`)."""
     try:
         return await handler(request)
-    except web.HTTPException as exc:
+    except Exception as exc:
+        return error_response(request, exc)
+
+
+def error_response(request: web.Request, exc: Exception) -> web.StreamResponse:
+    """What :func:`errors_middleware` answers for ``exc`` raised by a handler: an HTTP error
+    that is not JSON yet (aiohttp's 404, 405, 413) as ``{"error": message}``, anything
+    unexpected as a logged 500; re-raises a JSON error or a status below 400 (aiohttp sends
+    it as it is) and a reset connection."""
+    if isinstance(exc, web.HTTPException):
         if exc.status < 400 or exc.content_type == "application/json":
-            raise
+            raise exc
         message = exc.text if exc.text and exc.text != f"{exc.status}: {exc.reason}" else exc.reason
         headers = {k: v for k, v in exc.headers.items() if k.lower() not in ("content-type", "content-length")}
         return web.json_response({"error": message}, status=exc.status, headers=headers)
-    except (ConnectionResetError, asyncio.CancelledError):
-        raise
-    except Exception as exc:
-        LOG.log(logger, logging.ERROR, f"500 {type(exc).__name__}", "%s %s failed", request.method,
-                request.path[:200], exc_info=True)
-        return web.json_response({"error": f"internal error: {type(exc).__name__}: {exc}"}, status=500)
+    if isinstance(exc, ConnectionResetError):
+        raise exc
+    LOG.log(logger, logging.ERROR, f"500 {type(exc).__name__}", "%s %s failed", request.method,
+            request.path[:200], exc_info=exc)
+    return web.json_response({"error": f"internal error: {type(exc).__name__}: {exc}"}, status=500)

@@ -66,6 +66,12 @@ def _tcp(request: web.Request) -> bool:
 
 @web.middleware
 async def guard_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    check_request(request)
+    return await handler(request)
+
+
+def check_request(request: web.Request) -> None:
+    """The checks of the module docstring; raises the HTTP error (JSON) of the first that fails."""
     if "%" in request.raw_path.partition("?")[0]:
         raise error(web.HTTPBadRequest, "expected a path without percent-encoding (every name here has one "
                     "spelling: a namespace is 64 lowercase hex digits)")
@@ -87,4 +93,3 @@ async def guard_middleware(request: web.Request, handler: Handler) -> web.Stream
                     f"{request.headers.get('Content-Type', '(none)')[:100]!r}")
     if expected is None and route is not None and request.body_exists:
         raise error(web.HTTPUnsupportedMediaType, f"expected no body for {request.method} {route.canonical}")
-    return await handler(request)

@@ -479,3 +479,31 @@ async def test_namespaces_of_the_layout_before_tenants_move_to_tenant_default_an
     client = await make_api(settings)
     assert (await lookup(client, hs)) == {"num_blocks": 4, "media": ["DISK"] * 4}
     assert not old.exists() and (ns_dir(tmp_path / "data") / MARKER_FILE).is_file()
+
+
+async def test_one_middleware_keeps_every_layer_a_500_is_json_and_the_call_ends(make_api, monkeypatch, caplog):
+    """The four middlewares run as one (issue 17): an unexpected exception in a handler is a
+    JSON 500 (logged) and the daemon keeps serving; a 404 of the router and a guard refusal
+    are JSON; a bad hash is still a 400 after the merge."""
+    import kvtier.server.app as app_module
+
+    client = await make_api()
+    await register(client)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(app_module, "describe", boom)  # GET /v1/namespaces/{ns} calls it
+    response = await client.get(ns_url())
+    assert response.status == 500
+    assert (await response.json())["error"] == "internal error: RuntimeError: a bug"
+    assert any("failed" in r.getMessage() for r in caplog.records)
+    monkeypatch.undo()
+    response = await client.post(ns_url(op="lookup"), data=pack({"block_hashes": hashes(2)}))
+    assert response.status == 200 and msgpack.unpackb(await response.read())["num_blocks"] == 0
+    response = await client.post(ns_url(op="lookup"), data=pack({"block_hashes": [b"x" * 31]}))
+    assert response.status == 400 and "16 or 32 bytes" in (await response.json())["error"]
+    response = await client.get("/v1/nothing-here")
+    assert response.status == 404 and "error" in await response.json()
+    response = await client.post(ns_url(op="lookup"), data=b"x", headers={"Content-Type": "text/plain"})
+    assert response.status == 415 and "Content-Type" in (await response.json())["error"]
