@@ -143,3 +143,35 @@ def test_a_keep_alive_the_daemon_dropped_falls_back_to_a_new_connection(how):
             remote.close()
     finally:
         fake.close()
+
+
+def test_quick_lookups_are_signed_and_proven_over_http_and_bearer_over_unix(secure_daemon, tmp_path):
+    """Against a real daemon with tokens: over http:// the quick lookups carry a session
+    signature the daemon accepts (a hit, no error) and each reply's proof is checked; a
+    second tenant sees none of the first's blocks; over the Unix socket, Bearer."""
+    from tests.conftest import random_blocks
+    from tests.security.conftest import TOKEN_A, TOKEN_B
+
+    daemon = secure_daemon(unix_socket=tmp_path / "run" / "kvtier.sock")
+    hs = hashes(3)
+    a = RemoteTier(daemon.url, token=TOKEN_A, timeout_s=5.0)
+    b = RemoteTier(daemon.url, token=TOKEN_B, timeout_s=5.0)
+    try:
+        a.register(NS, SPEC)
+        b.register(NS, SPEC)
+        assert a.put(NS, hs, list(random_blocks(SPEC, 3))) == [True] * 3
+        for _ in range(3):  # on the kept-alive connection: the quick path, a new counter each time
+            assert a.lookup(NS, hs) == 3
+            assert b.lookup(NS, hs) == 0
+        assert not a.errors and not b.errors, (dict(a.errors), dict(b.errors))
+        a._session.key = b"\0" * 32  # a wrong session key: the request is refused, no proof matches
+        assert a.lookup(NS, hs) == 0 and a.errors["unproven"] == 1
+        over_unix = RemoteTier(daemon.unix_url, token=TOKEN_A, timeout_s=5.0)
+        try:
+            over_unix.register(NS, SPEC)
+            assert [over_unix.lookup(NS, hs) for _ in range(3)] == [3, 3, 3] and not over_unix.errors
+        finally:
+            over_unix.close()
+    finally:
+        a.close()
+        b.close()

@@ -1,4 +1,4 @@
-"""A/B of two source trees' daemons (argv: TREE_A TREE_B [CALLS]), alternating rounds of 1-client lookups of 32 present blocks: server CPU (/proc) and rate per lookup. Run from a checkout (uses bench.server)."""
+"""A/B of two source trees' daemons (argv: TREE_A TREE_B [CALLS]), alternating rounds of 1-client lookups of 32 present blocks (GET=1: 16-block gets): server CPU (/proc) and rate per call. Run from a checkout (uses bench.server)."""
 import sys, time, tempfile, os, subprocess, urllib.request
 from pathlib import Path
 sys.path.insert(0, os.getcwd())
@@ -25,6 +25,8 @@ trees = sys.argv[1:3]; calls = int(sys.argv[3]) if len(sys.argv) > 3 else 2000
 procs, clients = [], []
 hashes = [BlockHash(os.urandom(32)) for _ in range(32)]
 blocks = torch.randn((32, *SPEC.block_shape)).to(SPEC.dtype)
+outs = list(torch.zeros_like(blocks))
+GET = os.environ.get("GET") == "1"  # GET=1: 16-block gets (two per round) instead of lookups
 try:
     for t in trees:
         p, url = start(t, Path(tempfile.mkdtemp(prefix="dmn-ab-")))
@@ -36,7 +38,11 @@ try:
         for i in (0, 1) if rnd % 2 == 0 else (1, 0):
             c, p = clients[i], procs[i]
             (u0, s0), t0, c0 = cpu(p.pid), time.perf_counter(), time.process_time()
-            for _ in range(calls): c.lookup(NAMESPACE, hashes)
+            for _ in range(calls):
+                if GET:
+                    c.get_into(NAMESPACE, hashes[:16], outs[:16]); c.get_into(NAMESPACE, hashes[16:], outs[16:])
+                else:
+                    c.lookup(NAMESPACE, hashes)
             (u1, s1), t1, c1 = cpu(p.pid), time.perf_counter(), time.process_time()
             res[i].append((calls / (t1 - t0), (u1 - u0 + s1 - s0) / calls * 1e6, (u1 - u0) / calls * 1e6, (c1 - c0) / calls * 1e6))
     for i in (0, 1):
