@@ -298,11 +298,16 @@ def quick_request(pool, host_header: str, method: str, url: str, body: bytes, he
         if ctx.signer is not None:
             value, ctx.counter = ctx.signer(method, url, endpoint(sock.getpeername()))
             lines.append(f"Authorization: {value}")
-        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
+        try:
+            sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
+        except (BrokenPipeError, ConnectionResetError):
+            raise _Stale from None
         status, reply_headers, rest = _read_head(sock)
     except _Stale:
         conn.close()
         pool._put_conn(conn)
+        if ctx.expired():  # the watchdog shut it down: a daemon that never answered
+            raise Failed("timeout") from None
         return None
     except Failed:
         conn.close()

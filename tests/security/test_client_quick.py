@@ -72,6 +72,7 @@ HOSTILE = {
                          "timeout"),
     "trickled body": (lambda s: (s.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 30\r\n\r\n"), _trickle(s, b"x" * 30)),
                       "timeout"),
+    "silent": (lambda s: time.sleep(1.5), "timeout"),
     "cut inside the body": (lambda s: (s.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 30\r\n\r\nabc"),
                                        s.shutdown(socket.SHUT_WR)), "unavailable"),
 }
