@@ -62,7 +62,9 @@ class BlockPool:
         self.spec = spec
         self.num_blocks = num_blocks
         pad = FRAME_PAD_NBYTES if torch.device(device).type == "cpu" else 0
-        flat = torch.empty(pad + num_blocks * spec.block_nbytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
+        flat = torch.empty(
+            pad + num_blocks * spec.block_nbytes, dtype=torch.uint8, device=device, pin_memory=pin_memory
+        )
         self.tensor = flat[pad:].view(spec.dtype).view(num_blocks, *spec.block_shape)
         # Slot 0 is handed out first: pop() from the end of a reversed list.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))

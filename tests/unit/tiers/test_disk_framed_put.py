@@ -79,7 +79,9 @@ def test_memory_before_the_block_is_left_alone(tmp_path):
     tier.close()
 
 
-@pytest.mark.parametrize("offset", [0, 120, HEADER_NBYTES, HEADER_NBYTES + 17, -1], ids=["magic", "checksum", "payload0", "payload", "last"])
+@pytest.mark.parametrize(
+    "offset", [0, 120, HEADER_NBYTES, HEADER_NBYTES + 17, -1], ids=["magic", "checksum", "payload0", "payload", "last"]
+)
 def test_damage_to_a_framed_record_is_corrupt_and_dropped(tmp_path, offset):
     pool = _pool(2, seed=5)
     tier = DiskTier(tmp_path, 1 << 20)
@@ -126,3 +128,35 @@ def test_store_into_a_full_cpu_slab_spills_every_byte(make_store):
         assert store.disk.read_into(h, NS, out) is ReadStatus.OK
         assert torch.equal(out.view(torch.uint8), b.view(torch.uint8))
     store.check_invariants()
+
+
+def test_framed_put_over_another_versions_record_and_after_a_delete_in_the_same_batch(tmp_path):
+    """A framed put that replaces a value (another release's record under the same key, or a
+    record deleted earlier in the same transaction) writes its header into the new value's
+    pages: both read back bit-exact and equal encode_record's bytes; the old bytes are gone."""
+    import struct
+
+    import lmdb
+
+    pool = _pool(3, seed=9)
+    foreign_key, again_key = _hash(20), _hash(21)
+    value = bytearray(encode_record(NS, pool.tensor[2], 1))
+    (version,) = struct.unpack_from("<H", value, 4)
+    struct.pack_into("<H", value, 4, version + 1)  # the next release's record
+    env = lmdb.open(str(tmp_path), map_size=1 << 24)
+    with env.begin(write=True) as txn:
+        txn.put(foreign_key, bytes(value))
+    env.close()
+    tier = DiskTier(tmp_path, 1 << 20)
+    assert tier.foreign_bytes > 0 and foreign_key not in tier
+    assert tier.write_batch([(foreign_key, NS, pool.tensor[1]), (again_key, NS, pool.tensor[0])]) == [True, True]
+    assert tier.write_batch([(again_key, NS, pool.tensor[2])], deletes=[again_key]) == [True]
+    assert tier.foreign_bytes == 0
+    with tier.env.begin() as txn:
+        assert txn.get(foreign_key) == encode_record(NS, pool.tensor[1], 1).tobytes()
+        assert txn.get(again_key) == encode_record(NS, pool.tensor[2], 3).tobytes()
+    for key, slot in ((foreign_key, 1), (again_key, 2)):
+        out = torch.empty_like(pool.tensor[0])
+        assert tier.read_into(key, NS, out) is ReadStatus.OK and torch.equal(out, pool.tensor[slot])
+    tier.check()
+    tier.close()
