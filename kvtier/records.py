@@ -43,8 +43,9 @@ _MAGIC_VERSION = struct.Struct("<4sH")
 HEADER_NBYTES = _HEADER.size + _CHECKSUM.size  # 128
 _DTYPE_CODES = {name: i + 1 for i, name in enumerate(sorted(DTYPE_NAMES.values()))}
 _DTYPE_BY_CODE = {code: name for name, code in _DTYPE_CODES.items()}
-_CHUNK_NBYTES = 1 << 20  # copy+hash granularity: stays in L2 (1 MiB a core here) between the copy and the hash;
-# 256 KiB chunks cost ~15% of a 2 MiB block in per-chunk Python overhead (bench/tiers.py DISK get, issue 17)
+_CHUNK_NBYTES = 512 << 10  # copy+hash granularity: a chunk's source and destination together fit in L2 (1 MiB
+# a core here), so the hash reads the destination from L2: 1 MiB chunks spill to L3 and measured ~15% slower on a
+# warm DISK get, 256 KiB chunks no faster than 512 KiB (per-chunk Python overhead; issue 17)
 
 
 class ReadStatus(enum.Enum):

@@ -21,6 +21,12 @@ fingerprint, LRU order by store sequence) is persisted apart from the records
 match the records (a crash between the two commits, a directory written by an older release)
 it is rebuilt once from the records' headers.
 
+Writes copy each block once: LMDB copies a CPU pool slot, framed by the 128 bytes before it,
+straight into its map and the header is written over the frame in the transaction's own pages
+(:func:`put_record`; py-lmdb has no ``MDB_RESERVE``, and a record built in a buffer first cost a
+second memory-bound copy: store() into a full CPU slab 0.54x -> 0.78x a raw write in
+bench/transfers.py, issue 17).
+
 Reads copy the payload straight out of LMDB's map into the destination (one copy, hashed
 chunk by chunk while hot: :func:`kvtier.records.decode_into`); a cold record comes in by
 the kernel's fault readahead (``read_ahead_kb``, 8 MiB on the test VM). Measured and left
@@ -36,6 +42,7 @@ touch the index; index changes and writes take the tier's lock.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import struct
@@ -43,6 +50,7 @@ import threading
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 try:
@@ -50,7 +58,9 @@ try:
 except ImportError:  # only the DISK tier needs it; GPU/CPU tiers run without
     lmdb = None  # type: ignore[assignment]
 
-from kvtier.records import HEADER_NBYTES, VERSION, ReadStatus, decode_into, encode_record, parse_header, record_version
+from kvtier.records import (
+    HEADER_NBYTES, VERSION, ReadStatus, decode_into, encode_header, encode_record, parse_header, record_version,
+)
 from kvtier.tiers.disk_index import DiskIndex, IndexDamaged, IndexEntry, open_index, remove_index
 from kvtier.tiers.lru import SegmentedLRU
 from kvtier.types import NO_FINGERPRINT, BlockHash, Fingerprint, Medium
@@ -225,7 +235,7 @@ class DiskTier:
         foreign = iter(list(self._foreign.items()))
         dropped: list[BlockHash] = []  # records of another version dropped to make room
         try:
-            with self.env.begin(write=True) as txn:
+            with self.env.begin(write=True, buffers=True) as txn:  # buffers: see put_record
                 for h in deletes:
                     txn.delete(h)
                 used = self._used - sum(self._lru.get(h, 0) for h in set(deletes))
@@ -248,7 +258,7 @@ class DiskTier:
                         results.append(False)
                         continue
                     self._seq += 1
-                    txn.put(h, encode_record(namespace, block, self._seq, fingerprint))
+                    put_record(txn, h, namespace, block, self._seq, fingerprint)
                     used += size
                     staged.append((h, IndexEntry(self._seq, size, fingerprint, False)))
                     results.append(True)
@@ -532,6 +542,42 @@ def _lock_directory(path: Path):
             "between processes through the kvtier daemon"
         ) from None
     return lock_file
+
+
+def put_record(txn, key: bytes, namespace: bytes, block: torch.Tensor, seq: int, fingerprint: bytes) -> None:
+    """Write ``block``'s record (:func:`kvtier.records.encode_record`'s bytes exactly) under
+    ``key`` in the LMDB write transaction ``txn`` (begun with ``buffers=True``), copying the
+    block's bytes once.
+
+    py-lmdb has no ``MDB_RESERVE`` (put a value of a size, then fill LMDB's own pages), so a
+    record built in a buffer of its own is copied twice: the block into the buffer, the
+    buffer into the map, both memory-bound (issue 17: store() into a full CPU slab at 0.49x a
+    raw write). Instead, when the ``HEADER_NBYTES`` before the block belong to the same
+    tensor storage (every CPU pool slot: :class:`kvtier.tiers.pool.BlockPool` keeps a page
+    before slot 0), LMDB copies those bytes plus the block straight into the map (one copy),
+    and the header, hashed from the block beforehand (:func:`kvtier.records.encode_header`),
+    is written over the first ``HEADER_NBYTES`` of the value LMDB just stored: a value put in
+    this transaction lies in its own dirty pages until commit (LMDB's ``MDB_RESERVE``
+    contract: mdb_put(3)), which ``txn.get`` with ``buffers=True`` points at. The bytes
+    borrowed from before the block are never stored: all of them are overwritten by the
+    header before the commit. Any other block (slot 0 of an unpadded tensor, a copy of a GPU
+    block) takes the buffered :func:`~kvtier.records.encode_record`.
+
+    Raises:
+        lmdb.Error: the put failed (map full, ...): nothing of the record is visible.
+    """
+    nbytes = block.numel() * block.element_size()
+    if not (block.is_contiguous() and block.device.type == "cpu"
+            and block.storage_offset() * block.element_size() >= HEADER_NBYTES):
+        txn.put(key, encode_record(namespace, block, seq, fingerprint))
+        return
+    header = encode_header(namespace, block, seq, fingerprint)  # hashes the block in place
+    framed = (ctypes.c_uint8 * (HEADER_NBYTES + nbytes)).from_address(block.data_ptr() - HEADER_NBYTES)
+    txn.put(key, framed)
+    stored = txn.get(key)
+    if stored is None or len(stored) != HEADER_NBYTES + nbytes:
+        raise lmdb.Error(f"a record just put reads back as {None if stored is None else len(stored)} bytes")
+    ctypes.memmove(np.frombuffer(stored, dtype=np.uint8).ctypes.data, header, HEADER_NBYTES)
 
 
 def record_footprint(payload_nbytes: int, page_nbytes: int = 4096) -> int:

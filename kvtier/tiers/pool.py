@@ -6,7 +6,10 @@ The pool is allocated once at start-up (no per-block malloc on the hot path)::
 
 and slot ``block_id`` holds one block; beside it the pool keeps the block's token fingerprint
 (:mod:`kvtier.hashing`), which a load checks before the slot is served. On the CPU medium the tensor is pinned when CUDA is
-available, so copies to and from the GPU are asynchronous DMA.
+available, so copies to and from the GPU are asynchronous DMA. A CPU pool's tensor starts one
+page (:data:`FRAME_PAD_NBYTES`) into its allocation: every slot has memory before it, which
+lets the DISK tier hand LMDB a slot framed as a whole record and copy it once
+(:func:`kvtier.tiers.disk.put_record`).
 
 A pool knows nothing of pins or of other tiers: the store decides what to evict (it skips
 pinned blocks) and where a victim goes. Expected pressure is a return value:
@@ -21,6 +24,11 @@ import torch
 
 from kvtier.tiers.lru import SegmentedLRU
 from kvtier.types import NO_FINGERPRINT, BlockHash, Fingerprint, KVSpec, Medium
+
+FRAME_PAD_NBYTES = 4096
+"""Bytes a CPU pool allocates before slot 0 (a page: the slots keep the allocation's alignment); at least a
+record header (:data:`kvtier.records.HEADER_NBYTES`, 128), so that slot 0 too can be framed as
+a record by :func:`kvtier.tiers.disk.put_record`."""
 
 
 class BlockPool:
@@ -53,9 +61,11 @@ class BlockPool:
         self.medium = medium
         self.spec = spec
         self.num_blocks = num_blocks
-        self.tensor = torch.empty(
-            (num_blocks, *spec.block_shape), dtype=spec.dtype, device=device, pin_memory=pin_memory
+        pad = FRAME_PAD_NBYTES if torch.device(device).type == "cpu" else 0
+        flat = torch.empty(
+            pad + num_blocks * spec.block_nbytes, dtype=torch.uint8, device=device, pin_memory=pin_memory
         )
+        self.tensor = flat[pad:].view(spec.dtype).view(num_blocks, *spec.block_shape)
         # Slot 0 is handed out first: pop() from the end of a reversed list.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._fingerprints: list[Fingerprint] = [NO_FINGERPRINT] * num_blocks  # per slot
