@@ -30,6 +30,7 @@ shapes (MLA's latent vs expanded heads) gets a spec, and a namespace, of its own
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
@@ -61,13 +62,15 @@ def new_cache() -> Any:
     return DynamicCache()
 
 
-def kv_spec_for(model: torch.nn.Module, block_size: int) -> KVSpec:
+def kv_spec_for(model: torch.nn.Module, block_size: int, head_major: bool = False) -> KVSpec:
     """Block spec of a decoder-only transformers model: its layer groups (attention kind
     from the cache transformers builds for it, K/V shapes from one probe forward).
 
     Args:
         model: a transformers ``*ForCausalLM`` (any dtype and device).
         block_size: tokens per block.
+        head_major: the head-major layout (:data:`kvtier.types.KV_LAYOUT_HEAD_MAJOR`, the
+            HF connector's) when the layers are uniform; ignored otherwise.
 
     Raises:
         UnsupportedModelError: the model is not one kvtier serves exactly (the message names
@@ -79,7 +82,7 @@ def kv_spec_for(model: torch.nn.Module, block_size: int) -> KVSpec:
         LayerGroup(kind, (layer,), heads, k_dim, v_dim, window)
         for layer, ((kind, window), (heads, k_dim, v_dim)) in enumerate(zip(kinds, shapes))
     ]
-    return KVSpec.from_groups(groups, block_size, dtype)
+    return KVSpec.from_groups(groups, block_size, dtype, head_major)
 
 
 def _text_config(model: torch.nn.Module) -> Any:
@@ -221,7 +224,8 @@ class LayerGather:
     and K/V (a fresh store hands out consecutive slots, so a prefix is usually one run); a
     prefix scattered over more runs than half its blocks is gathered per layer with one
     ``index_select`` instead. A uniform spec on a pool the Triton kernels serve
-    (:func:`kvtier.kernels.use_triton`: CUDA) runs one gather kernel per layer.
+    (:func:`kvtier.kernels.use_triton`: CUDA) runs one gather kernel per layer; a head-major
+    spec takes the torch path (its runs are whole blocks per head already).
 
     Args:
         spec: the block layout.
@@ -232,7 +236,7 @@ class LayerGather:
     def __init__(self, spec: KVSpec, pool: torch.Tensor, block_ids: Sequence[int]) -> None:
         self.spec, self.pool, self.num_blocks = spec, pool, len(block_ids)
         runs = _runs(block_ids)
-        self._triton = spec.is_uniform and use_triton(pool)
+        self._triton = spec.is_uniform and not spec.head_major and use_triton(pool)
         self._runs = runs if not self._triton and len(runs) <= max(1, len(block_ids) // 2) else None
         self._ids = None if self._runs is not None else torch.tensor(list(block_ids), dtype=torch.int64, device=pool.device)
         self._views = None if self._triton else spec.layer_views(pool)
@@ -251,6 +255,94 @@ class LayerGather:
                 continue
             for src, dst, length in self._runs:
                 blocks[dst : dst + length].copy_(view[src : src + length])
+
+
+class HostHitBuffer:
+    """Host memory for the K/V of hits, kept from one hit to the next (uniform specs).
+
+    A hit's K/V go to the model as views of one ``[num_layers, 2, num_kv_heads, num_tokens,
+    head_dim]`` tensor (:meth:`take`; layer ``l``'s K is ``[l, 0]``, contiguous). A fresh host
+    allocation of that size is fresh pages: glibc's malloc serves an allocation above its
+    mmap threshold (128 KiB, adapting up to 32 MiB) with a new ``mmap`` and unmaps it on
+    free, and the kernel zero-fills every 4 KiB page on its first touch, which costs about
+    as much as the copy itself (0.6-0.9x of one ``Tensor.copy_`` of the same bytes on
+    bench/hit_path.py's 2-core host, 1-4k tokens of SmolLM2-135M). So the buffer is
+    kept once the hit is done with it, and the next hit writes into pages already mapped
+    (CUDA's caching allocator does the same for device memory).
+
+    "Done with it": nothing but this object holds the buffer's storage (transformers'
+    ``DynamicLayer.update`` concatenates into a new tensor, so after the prefill's forward
+    no cache layer points into it any more; a cache the caller keeps, or any view of it,
+    holds it and the next hit gets a new buffer). The test is the storage's use count
+    (``torch._C._storage_Use_Count``, the check torch's CUDA-graph trees use for the same
+    question); a torch without it never reuses.
+
+    Memory: the largest hit's K/V up to ``keep_bytes`` stays allocated between hits; while
+    a prefill runs, the buffer lives until its last layer was replaced (the new layers are
+    allocated beside it).
+
+    Args:
+        spec: a uniform spec (``spec.is_uniform``).
+        keep_bytes: the largest buffer kept between hits (a larger hit gets its own, freed
+            with its cache).
+    """
+
+    def __init__(self, spec: KVSpec, keep_bytes: int) -> None:
+        assert spec.is_uniform, "HostHitBuffer needs a uniform spec"
+        if not isinstance(keep_bytes, int) or isinstance(keep_bytes, bool) or keep_bytes < 0:
+            raise ValueError(f"expected hit_buffer_bytes to be an int >= 0, got {keep_bytes!r}")
+        self.spec, self.keep_bytes = spec, keep_bytes
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, num_tokens: int) -> torch.Tensor:
+        """A ``[num_layers, 2, num_kv_heads, num_tokens, head_dim]`` contiguous CPU tensor of
+        ``spec.dtype`` (uninitialised), this object's buffer when it is free and large enough."""
+        spec = self.spec
+        shape = (spec.num_layers, 2, spec.num_kv_heads, num_tokens, spec.head_dim)
+        numel = math.prod(shape)
+        buffer = self._buffer
+        if buffer is None or buffer.numel() < numel or not _sole_owner(buffer):
+            buffer = torch.empty(numel, dtype=spec.dtype)
+            if numel * buffer.element_size() <= self.keep_bytes:
+                self._buffer = buffer
+        return buffer[:numel].view(shape)
+
+    def release(self) -> None:
+        """Drop the kept buffer (the memory returns once no cache uses it)."""
+        self._buffer = None
+
+
+def _sole_owner(tensor: torch.Tensor) -> bool:
+    """True when no tensor but ``tensor`` itself uses its storage (no view, no cache layer)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    storage = tensor.untyped_storage()
+    return use_count(storage._cdata) == 2  # ``tensor`` and ``storage`` (this Python object)
+
+
+def gather_into(spec: KVSpec, pool: torch.Tensor, out: torch.Tensor, block_ids: Sequence[int],
+                indices: Sequence[int]) -> None:
+    """Copy blocks ``block_ids`` of ``pool`` to their request positions ``indices`` of
+    ``out``, every layer and K/V at once: one strided ``copy_`` per run of consecutive slots
+    at consecutive positions (a fresh store hands out consecutive slots, so a prefix is
+    usually one run; a DISK chunk of it one run each).
+
+    A head-major pool (``spec.head_major``) copies runs of ``block_size * head_dim``
+    elements, a token-major one runs of ``head_dim`` (1.3-1.7x the time of a plain copy of
+    the same bytes here, vs 1.0-1.4x: the head-major layout's reason).
+
+    Args:
+        spec: a uniform spec: ``pool`` is ``[num_blocks, *spec.block_shape]``.
+        out: ``[num_layers, 2, num_kv_heads, n * block_size, head_dim]`` contiguous
+            (:meth:`HostHitBuffer.take`), tokens ``i * block_size ..`` of position ``i``.
+        block_ids, indices: ``[k]`` each: slot and request position of each block.
+    """
+    layers, _, heads, tokens, dim = out.shape
+    blocks = out.view(layers, 2, heads, tokens // spec.block_size, spec.block_size, dim)
+    order = (1, 2, 3, 0, 4, 5) if spec.head_major else (1, 2, 4, 0, 3, 5)  # -> [L, 2, H, k, B, D]
+    for slot, index, length in _runs(block_ids, indices):
+        blocks[:, :, :, index : index + length].copy_(pool[slot : slot + length].permute(order))
 
 
 def cache_from_layers(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> Any:
@@ -289,11 +381,18 @@ def scatter_from_layers(
         pool: ``[num_blocks, *spec.block_shape]``, written.
         ids: ``[n]`` int64 distinct block ids on the pool's device.
     """
+    n, size = ids.numel(), spec.block_size
+    end = start_token + n * size
+    if spec.head_major:  # [1, H, n * B, D] -> [n, H, B, D]: whole blocks per head
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            for kv, src in ((0, k), (1, v)):
+                heads, dim = src.shape[1], src.shape[3]
+                blocks = src[0, :, start_token:end].reshape(heads, n, size, dim).transpose(0, 1)
+                pool[:, layer, kv].index_copy_(0, ids, blocks.to(pool.device))
+        return
     if spec.is_uniform:
         scatter_contiguous_to_blocks(keys, values, pool, ids, start_token=start_token)
         return
-    n, size = ids.numel(), spec.block_size
-    end = start_token + n * size
     for (k_view, v_view), k, v in zip(spec.layer_views(pool), keys, values):
         for view, src in ((k_view, k), (v_view, v)):
             heads, dim = src.shape[1], src.shape[3]
@@ -310,11 +409,12 @@ def _block_view(cache: torch.Tensor, num_blocks: int, block_size: int) -> torch.
     return cache[0, :, : num_blocks * block_size].unflatten(1, (num_blocks, block_size)).permute(1, 2, 0, 3)
 
 
-def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(first_slot, first_index, length)`` of each run of consecutive slots in ``block_ids``."""
+def _runs(block_ids: Sequence[int], indices: Sequence[int] | None = None) -> list[tuple[int, int, int]]:
+    """``(first_slot, first_index, length)`` of each run of consecutive slots at consecutive
+    positions (``indices``, default ``0 .. len(block_ids) - 1``) in ``block_ids``."""
     runs: list[tuple[int, int, int]] = []
-    for index, slot in enumerate(block_ids):
-        if runs and runs[-1][0] + runs[-1][2] == slot:
+    for index, slot in zip(range(len(block_ids)) if indices is None else indices, block_ids):
+        if runs and runs[-1][0] + runs[-1][2] == slot and runs[-1][1] + runs[-1][2] == index:
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
             runs.append((slot, index, 1))
