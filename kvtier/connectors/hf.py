@@ -409,10 +409,13 @@ class HFConnector:
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         pool = self.store.top.tensor
+        kv = None
         if handle.num_blocks and self._hit_buffer is not None and pool.device.type == "cpu":
+            kv = self._hit_buffer.take(handle.num_blocks * self.block_size)
+        if kv is not None:
             # host pool: every layer at once, each chunk of blocks as it lands (DISK reads
             # run on the I/O threads meanwhile), into reused host memory
-            kv, block_ids = self._hit_buffer.take(handle.num_blocks * self.block_size), handle.block_ids
+            block_ids = handle.block_ids
             for indices in handle.landed():
                 gather_into(spec, pool, kv, [block_ids[i] for i in indices], indices)
             keys = [kv[layer, 0].unsqueeze(0) for layer in range(spec.num_layers)]

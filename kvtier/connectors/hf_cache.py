@@ -284,8 +284,8 @@ class HostHitBuffer:
 
     Args:
         spec: a uniform spec (``spec.is_uniform``).
-        keep_bytes: the largest buffer kept between hits (a larger hit gets its own, freed
-            with its cache).
+        keep_bytes: the largest buffer kept between hits (a larger hit, or one while the
+            buffer is in use, gets per-layer tensors of its own: :meth:`take` is ``None``).
     """
 
     def __init__(self, spec: KVSpec, keep_bytes: int) -> None:
@@ -295,17 +295,26 @@ class HostHitBuffer:
         self.spec, self.keep_bytes = spec, keep_bytes
         self._buffer: torch.Tensor | None = None
 
-    def take(self, num_tokens: int) -> torch.Tensor:
+    def take(self, num_tokens: int) -> torch.Tensor | None:
         """A ``[num_layers, 2, num_kv_heads, num_tokens, head_dim]`` contiguous CPU tensor of
-        ``spec.dtype`` (uninitialised), this object's buffer when it is free and large enough."""
+        ``spec.dtype`` (uninitialised) in the kept buffer (allocated, or grown, when none is
+        kept or it is too small and free), or ``None`` when the buffer is in use or the hit
+        is over ``keep_bytes``: then the caller allocates per layer (:func:`new_layer_tensors`:
+        layer-sized blocks that glibc's heap recycles from one hit to the next, where one
+        fresh allocation of the whole hit is new pages every time: 6-8x a plain copy's time
+        for 1-4k tokens of SmolLM2-135M, bench/hit_path.py's "no kept buffer" rows before
+        this fallback)."""
         spec = self.spec
         shape = (spec.num_layers, 2, spec.num_kv_heads, num_tokens, spec.head_dim)
         numel = math.prod(shape)
+        if numel * spec.dtype.itemsize > self.keep_bytes:
+            return None
         buffer = self._buffer
-        if buffer is None or buffer.numel() < numel or not _sole_owner(buffer):
-            buffer = torch.empty(numel, dtype=spec.dtype)
-            if numel * buffer.element_size() <= self.keep_bytes:
-                self._buffer = buffer
+        if buffer is not None and not _sole_owner(buffer):
+            return None
+        if buffer is None or buffer.numel() < numel:
+            self._buffer = buffer = None  # the old one first: its pages go back before the new ones
+            self._buffer = buffer = torch.empty(numel, dtype=spec.dtype)
         return buffer[:numel].view(shape)
 
     def release(self) -> None:

@@ -81,21 +81,22 @@ def test_from_model_keys_the_head_major_layout(model, tmp_path):
 
 
 @pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "token-major"])
-@pytest.mark.parametrize("tier", ["CPU", "DISK", "GPU (emulated)"])
+@pytest.mark.parametrize("tier", ["CPU", "DISK", "GPU (emulated)", "CPU, no kept buffer", "DISK, no kept buffer"])
 def test_a_hit_gives_back_the_models_kv_bit_for_bit(model, tmp_path, head_major, tier):
     """CPU and DISK: the host path (HostHitBuffer, gather per landed chunk); an emulated GPU
-    pool: LayerGather, layer by layer."""
+    pool, or no kept buffer: LayerGather, layer by layer, into per-layer tensors."""
     emulate = tier == "GPU (emulated)"
+    kept = {"hit_buffer_bytes": 0} if "no kept buffer" in tier else {}
     cfg = config(tmp_path, gpu_bytes=4 << 20 if emulate else 0)
     ids = prompt(7 * BLOCK + 3, seed=1)
-    kv = connector(model, cfg, head_major, emulate_gpu=emulate)
+    kv = connector(model, cfg, head_major, emulate_gpu=emulate, **kept)
     store_prompt(kv, model, ids)
-    if tier == "DISK":
+    if tier.startswith("DISK"):
         kv.close()  # flushes to DISK
-        kv = connector(model, cfg, head_major)
+        kv = connector(model, cfg, head_major, **kept)
     plan = kv.before_prefill(ids)
     assert_exact(plan, model, ids, 7 * BLOCK)
-    assert set(plan.sources) == {Medium.DISK if tier == "DISK" else Medium.GPU if emulate else Medium.CPU}
+    assert set(plan.sources) == {Medium.DISK if tier.startswith("DISK") else Medium.GPU if emulate else Medium.CPU}
     with torch.inference_mode():  # and the suffix prefill on it picks the full forward's token
         want = model(ids).logits[0, -1].argmax()
         got = model(ids[:, 7 * BLOCK :], **plan.generate_kwargs()).logits[0, -1].argmax()
@@ -166,7 +167,10 @@ def test_consecutive_hits_reuse_the_host_buffer_and_a_kept_cache_keeps_its_bytes
     second = kv.before_prefill(b)
     assert_exact(second, model, b, 3 * BLOCK)
     assert all(torch.equal(k, want) for k, want in zip(cache_layers(kept.cache)[0], kept_keys))
-    ptr = cache_layers(second.cache)[0][0].data_ptr()
-    del second
-    assert cache_layers(kv.before_prefill(a).cache)[0][0].data_ptr() == ptr  # freed: reused
+    ptr = cache_layers(kept.cache)[0][0].data_ptr()
+    assert cache_layers(second.cache)[0][0].data_ptr() != ptr  # per-layer tensors of its own
+    del kept
+    third = kv.before_prefill(b)
+    assert cache_layers(third.cache)[0][0].data_ptr() == ptr  # freed: reused
+    assert_exact(third, model, b, 3 * BLOCK)
     kv.close()
