@@ -16,7 +16,8 @@ timed, interleaved with its baseline:
   reads it once). ``DiskTier.read_into`` of the same blocks, one thread, is timed apart
   (its own row) so that its share of the load is known.
 - CPU-fresh: CPU with ``hit_buffer_bytes=0``: the connector keeps no host memory between
-  hits, so every hit writes into newly mapped pages (their first-touch faults included).
+  hits; every hit gets per-layer tensors of its own (``LayerGather``, one copy per layer and
+  K/V; whatever pages glibc's heap hands back).
 - baseline: one ``Tensor.copy_`` of the prefix's K/V bytes (all layers, K and V) between two
   preallocated contiguous host tensors, in the same run (the CPU and DISK rows' hits also
   write into memory kept from the last hit: ``HostHitBuffer``).
@@ -98,7 +99,7 @@ def _config(root: Path, *, disk: bool, top_bytes: int) -> StoreConfig:
 
 def tier_rows(model, prompts: list[Prompt], tier: str, root: Path, repeats: int, profile: Path | None = None) -> list[Row]:
     """One row per prompt: ``before_prefill`` from ``tier`` ("CPU", "DISK", or "CPU-fresh":
-    CPU with ``hit_buffer_bytes=0``, every hit into newly allocated host memory) vs one
+    CPU with ``hit_buffer_bytes=0``, every hit into per-layer tensors of its own) vs one
     copy; with ``profile``, a cProfile summary of 5 more calls per prompt written there."""
     from kvtier.connectors.hf import HIT_BUFFER_BYTES, HFConnector
 
