@@ -15,8 +15,15 @@ timed, interleaved with its baseline:
   before every run, so the prefix comes from LMDB; page cache warm (the untimed warm-up run
   reads it once). ``DiskTier.read_into`` of the same blocks, one thread, is timed apart
   (its own row) so that its share of the load is known.
+- CPU-fresh: CPU with ``hit_buffer_bytes=0``: the connector keeps no host memory between
+  hits; every hit gets per-layer tensors of its own (``LayerGather``, one copy per layer and
+  K/V; whatever pages glibc's heap hands back).
 - baseline: one ``Tensor.copy_`` of the prefix's K/V bytes (all layers, K and V) between two
-  preallocated contiguous host tensors, in the same run.
+  preallocated contiguous host tensors, in the same run (the CPU and DISK rows' hits also
+  write into memory kept from the last hit: ``HostHitBuffer``).
+
+``HFConnector.from_model`` keys blocks in the head-major layout (``LKVHTD``), the order of
+transformers' caches, so the gather copies whole blocks per head.
 
 Each row: ``before_prefill`` ms, the copy's ms, the ratio (value / baseline). Exactness is
 asserted every time the bench runs: the hit cache's K and V equal, bit for bit, those of the
@@ -91,19 +98,23 @@ def _config(root: Path, *, disk: bool, top_bytes: int) -> StoreConfig:
 
 
 def tier_rows(model, prompts: list[Prompt], tier: str, root: Path, repeats: int, profile: Path | None = None) -> list[Row]:
-    """One row per prompt: ``before_prefill`` from ``tier`` ("CPU" or "DISK") vs one copy;
-    with ``profile``, a cProfile summary of 5 more calls per prompt written there."""
-    from kvtier.connectors.hf import HFConnector
+    """One row per prompt: ``before_prefill`` from ``tier`` ("CPU", "DISK", or "CPU-fresh":
+    CPU with ``hit_buffer_bytes=0``, every hit into per-layer tensors of its own) vs one
+    copy; with ``profile``, a cProfile summary of 5 more calls per prompt written there."""
+    from kvtier.connectors.hf import HIT_BUFFER_BYTES, HFConnector
 
+    fresh = tier.upper() == "CPU-FRESH"
+    tier = "CPU" if fresh else tier
     disk = tier == "DISK"
     per_token = prompts[0].nbytes // prompts[0].length
     top_bytes = (max(p.length for p in prompts) + 64) * per_token + 16 * MiB
     if not disk:
         top_bytes = sum(p.length + 64 for p in prompts) * per_token + 16 * MiB
-    config = _config(root / tier.lower(), disk=disk, top_bytes=top_bytes)
+    config = _config(root / (tier.lower() + ("-fresh" if fresh else "")), disk=disk, top_bytes=top_bytes)
 
     def connector() -> HFConnector:
-        return HFConnector.from_model(model, config, model_id="bench-smollm2", model_revision="bench")
+        return HFConnector.from_model(model, config, model_id="bench-smollm2", model_revision="bench",
+                                      hit_buffer_bytes=0 if fresh else HIT_BUFFER_BYTES)
 
     kv = connector()
     for prompt in prompts:
@@ -126,13 +137,13 @@ def tier_rows(model, prompts: list[Prompt], tier: str, root: Path, repeats: int,
         src = torch.empty(prompt.nbytes // 4, dtype=torch.float32).normal_()
         dst = torch.empty_like(src)
         load, copy = measure([Case(hit, before=before), Case(lambda: dst.copy_(src))], repeats)
-        if profile is not None:
+        if profile is not None and not fresh:
             _profile(hit, before, profile / f"hit_path_{tier.lower()}_{prompt.length}.txt")
         plan = plans[-1]
         assert all(str(m) == tier for m in plan.sources), plan.sources
         check_hit(model, plan, prompt)
         kib = prompt.nbytes / 1024
-        name = f"{tier} hit, {prompt.length} tokens ({kib / 1024:.0f} MiB)"
+        name = f"{tier} hit, {prompt.length} tokens ({kib / 1024:.0f} MiB)" + (", no kept buffer" if fresh else "")
         rows.append(Row(f"before_prefill: {name}", load.best_s * 1e3, "ms", copy.best_s * 1e3, "one torch copy_ of the K/V bytes"))
         if disk:
             rows.append(Row(f"  of which DiskTier.read_into: {name}", _disk_read_ms(kv, prompt), "ms", copy.best_s * 1e3,
@@ -180,7 +191,8 @@ def _disk_read_ms(kv, prompt: Prompt) -> float:
 def main() -> None:
     parser = arg_parser(__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="1024,2048,4096", help="prefix lengths in tokens, multiples of 16")
-    parser.add_argument("--tiers", default="CPU,DISK", help="CPU, DISK or both (default)")
+    parser.add_argument("--tiers", default="CPU,DISK,CPU-fresh",
+                        help="comma-separated: CPU, DISK, CPU-fresh (CPU, hit_buffer_bytes=0); default all three")
     parser.add_argument("--model", default="smollm2", help="a kvtier.app.models name (default smollm2)")
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
                         help="also write a cProfile summary (by cumulative time) per tier and length here")

@@ -88,6 +88,13 @@ DTYPES_BY_NAME: dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
 
 KV_LAYOUT = "LKVTHD"
 """Name of the block layout above (layer, K/V, token, head, head_dim); part of the namespace."""
+KV_LAYOUT_HEAD_MAJOR = "LKVHTD"
+"""Name of the head-major uniform layout (``KVSpec(..., head_major=True)``): a block is
+``[num_layers, 2, num_kv_heads, block_size, head_dim]``, so each head of a layer is one run
+of ``block_size * head_dim`` elements, the order of transformers' caches (``[batch,
+num_kv_heads, seq_len, head_dim]``): the HF connector's layout (a hit is gathered into its
+cache in runs of whole blocks per head, at memcpy speed, instead of runs of one head_dim).
+Part of the namespace like :data:`KV_LAYOUT`: a block of one layout never serves the other."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -196,10 +203,14 @@ class KVSpec:
         block_size: tokens per block.
         dtype: element type of the K/V tensors (the model's cache dtype).
         groups: the layer groups, partitioning ``range(num_layers)``; ``()`` = all full.
+        head_major: a uniform spec's block is ``[num_layers, 2, num_kv_heads, block_size,
+            head_dim]`` (:data:`KV_LAYOUT_HEAD_MAJOR`) instead of ``[.., block_size,
+            num_kv_heads, head_dim]``; another layout name, so another namespace.
 
     Raises:
-        ValueError: a non-positive size, groups that do not partition the layers, or
-            ``num_kv_heads``/``head_dim`` that disagree with them.
+        ValueError: a non-positive size, groups that do not partition the layers,
+            ``num_kv_heads``/``head_dim`` that disagree with them, or ``head_major`` for a
+            spec that is not uniform.
     """
 
     num_layers: int
@@ -208,6 +219,7 @@ class KVSpec:
     block_size: int
     dtype: torch.dtype
     groups: tuple[LayerGroup, ...] = ()
+    head_major: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "block_size"):
@@ -216,6 +228,8 @@ class KVSpec:
         if self.groups:
             object.__setattr__(self, "groups", _normalise_groups(self.groups, self.num_layers))
         groups = self.groups
+        if not isinstance(self.head_major, bool):
+            raise ValueError(f"expected head_major to be a bool, got {self.head_major!r}")
         if not groups:
             positive_int("num_kv_heads", self.num_kv_heads)
             positive_int("head_dim", self.head_dim)
@@ -227,15 +241,20 @@ class KVSpec:
                 f"expected num_kv_heads, head_dim = {expected} for groups {self.layout_name}, "
                 f"got {(self.num_kv_heads, self.head_dim)}"
             )
+        if self.head_major and uniform is None:
+            raise ValueError(f"expected a uniform spec for head_major, got groups {self.layout_name}")
 
     @classmethod
-    def from_groups(cls, groups: Sequence[LayerGroup], block_size: int, dtype: torch.dtype) -> "KVSpec":
-        """The spec of a model whose layers are ``groups`` (together ``0 .. num_layers - 1``)."""
+    def from_groups(
+        cls, groups: Sequence[LayerGroup], block_size: int, dtype: torch.dtype, head_major: bool = False
+    ) -> "KVSpec":
+        """The spec of a model whose layers are ``groups`` (together ``0 .. num_layers - 1``);
+        ``head_major``: the head-major layout if the groups are uniform (else ignored)."""
         if not groups or not all(isinstance(g, LayerGroup) for g in groups):
             raise ValueError(f"expected a non-empty sequence of LayerGroup, got {groups!r}")
         num_layers = sum(len(g.layers) for g in groups)
         num_kv_heads, head_dim = _uniform_shape(groups) or (0, 0)
-        return cls(num_layers, num_kv_heads, head_dim, block_size, dtype, tuple(groups))
+        return cls(num_layers, num_kv_heads, head_dim, block_size, dtype, tuple(groups), head_major and num_kv_heads > 0)
 
     @property
     def layer_groups(self) -> tuple[LayerGroup, ...]:
@@ -254,15 +273,20 @@ class KVSpec:
     def layout_name(self) -> str:
         """Canonical name of the block layout, part of the namespace: ``LKVTHD`` (full
         attention, uniform: unchanged from earlier releases), ``LKVTHD[<groups>]`` (uniform,
-        other kinds), ``LKTHD+VTHD[<groups>]`` (flat)."""
+        other kinds), ``LKTHD+VTHD[<groups>]`` (flat); ``LKVHTD`` / ``LKVHTD[<groups>]`` for
+        the head-major uniform layout."""
+        uniform = KV_LAYOUT_HEAD_MAJOR if self.head_major else KV_LAYOUT
         if not self.groups:
-            return KV_LAYOUT
+            return uniform
         described = ";".join(g.describe() for g in self.groups)
-        return f"{KV_LAYOUT}[{described}]" if self.is_uniform else f"LKTHD+VTHD[{described}]"
+        return f"{uniform}[{described}]" if self.is_uniform else f"LKTHD+VTHD[{described}]"
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        """``(num_layers, 2, block_size, num_kv_heads, head_dim)`` if uniform, else ``(block_numel,)``."""
+        """``(num_layers, 2, block_size, num_kv_heads, head_dim)`` if uniform (``(num_layers,
+        2, num_kv_heads, block_size, head_dim)`` if also ``head_major``), else ``(block_numel,)``."""
+        if self.head_major:
+            return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
         if self.is_uniform:
             return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
         return (self.block_numel,)
@@ -306,10 +330,13 @@ class KVSpec:
 
         Returns:
             for each layer ``(K, V)``: ``[num_blocks, block_size, num_kv_heads, k_head_dim]``
-            and ``[num_blocks, block_size, num_kv_heads, v_head_dim]``, views of ``pool``.
+            and ``[num_blocks, block_size, num_kv_heads, v_head_dim]``, views of ``pool``
+            (strided: heads outer in memory, for a head-major spec).
         """
         assert tuple(pool.shape[1:]) == self.block_shape, f"expected [n, *{self.block_shape}], got {tuple(pool.shape)}"
         n, size = pool.shape[0], self.block_size
+        if self.head_major:
+            return [(pool[:, layer, 0].transpose(1, 2), pool[:, layer, 1].transpose(1, 2)) for layer in range(self.num_layers)]
         if self.is_uniform:
             return [(pool[:, layer, 0], pool[:, layer, 1]) for layer in range(self.num_layers)]
         views, offset = [], 0

@@ -35,7 +35,7 @@ import msgpack
 import torch
 
 from kvtier.records import HEADER_NBYTES
-from kvtier.types import DTYPE_NAMES, DTYPES_BY_NAME, KVSpec, LayerGroup, positive_int
+from kvtier.types import DTYPE_NAMES, DTYPES_BY_NAME, KV_LAYOUT, KV_LAYOUT_HEAD_MAJOR, KVSpec, LayerGroup, positive_int
 
 MSGPACK = "application/msgpack"
 FRAMES = "application/x-kvtier-frames"
@@ -61,10 +61,15 @@ def unpack_map(body: bytes, what: str) -> dict:
 # -- KVSpec ------------------------------------------------------------------------------------
 def spec_to_wire(spec: KVSpec) -> dict:
     """``{"block_shape": [num_layers, 2, block_size, num_kv_heads, head_dim], "dtype": name}``,
-    plus ``"block_size"`` and ``"groups"`` for a spec with layer groups."""
+    plus ``"block_size"`` and ``"groups"`` for a spec with layer groups, and ``"layout":
+    "LKVHTD"`` for a head-major one (its block_shape ``[num_layers, 2, num_kv_heads,
+    block_size, head_dim]``; a reader without the key would take the shape as token-major
+    and still move the same bytes)."""
     wire: dict = {"block_shape": list(spec.block_shape), "dtype": DTYPE_NAMES[spec.dtype]}
     if spec.groups:
         wire.update(block_size=spec.block_size, groups=groups_to_wire(spec))
+    if spec.head_major:
+        wire["layout"] = KV_LAYOUT_HEAD_MAJOR
     return wire
 
 
@@ -75,8 +80,14 @@ def spec_from_wire(obj: Any) -> KVSpec:
     shape, dtype = obj.get("block_shape"), obj.get("dtype")
     if not isinstance(dtype, str) or dtype not in DTYPES_BY_NAME:
         raise ValueError(f"expected dtype in {sorted(DTYPES_BY_NAME)}, got {dtype!r}")
+    layout = obj.get("layout", KV_LAYOUT)
+    if layout not in (KV_LAYOUT, KV_LAYOUT_HEAD_MAJOR):
+        raise ValueError(f"expected layout {KV_LAYOUT!r} or {KV_LAYOUT_HEAD_MAJOR!r}, got {layout!r:.80}")
+    head_major = layout == KV_LAYOUT_HEAD_MAJOR
     if "groups" in obj:
-        spec = spec_from_groups_wire(obj["groups"], obj.get("block_size"), DTYPES_BY_NAME[dtype])
+        spec = spec_from_groups_wire(obj["groups"], obj.get("block_size"), DTYPES_BY_NAME[dtype], head_major)
+        if head_major and not spec.head_major:
+            raise ValueError(f"expected uniform groups for layout {layout!r}, got {spec.layout_name}")
         if shape != list(spec.block_shape):
             raise ValueError(f"expected block_shape {list(spec.block_shape)} for these groups, got {shape!r}")
         return spec
@@ -89,8 +100,11 @@ def spec_from_wire(obj: Any) -> KVSpec:
         raise ValueError(
             f"expected block_shape [num_layers, 2, block_size, num_kv_heads, head_dim] of positive ints, got {shape!r}"
         )
-    num_layers, _, block_size, num_kv_heads, head_dim = shape
-    return KVSpec(num_layers, num_kv_heads, head_dim, block_size, DTYPES_BY_NAME[dtype])
+    if head_major:
+        num_layers, _, num_kv_heads, block_size, head_dim = shape
+    else:
+        num_layers, _, block_size, num_kv_heads, head_dim = shape
+    return KVSpec(num_layers, num_kv_heads, head_dim, block_size, DTYPES_BY_NAME[dtype], head_major=head_major)
 
 
 _GROUP_KEYS = ("kind", "layers", "num_kv_heads", "k_head_dim", "v_head_dim", "window")
@@ -104,7 +118,7 @@ def groups_to_wire(spec: KVSpec) -> list[dict]:
     return [{key: list(g.layers) if key == "layers" else getattr(g, key) for key in _GROUP_KEYS} for g in spec.groups]
 
 
-def spec_from_groups_wire(obj: object, block_size: object, dtype: torch.dtype) -> KVSpec:
+def spec_from_groups_wire(obj: object, block_size: object, dtype: torch.dtype, head_major: bool = False) -> KVSpec:
     """Inverse of :func:`groups_to_wire` (with the spec's block_size and dtype), parsed
     strictly: a list of at most 256 maps with exactly the keys above, ints in range, at most
     4096 layers in all.
@@ -131,7 +145,7 @@ def spec_from_groups_wire(obj: object, block_size: object, dtype: torch.dtype) -
                 raise ValueError(f"expected {key} as an int below 2**31, got {value!r}")
         groups.append(LayerGroup(item["kind"], tuple(layers), item["num_kv_heads"], item["k_head_dim"],
                                  item["v_head_dim"], item["window"]))
-    return KVSpec.from_groups(groups, block_size, dtype)  # type: ignore[arg-type]
+    return KVSpec.from_groups(groups, block_size, dtype, head_major)  # type: ignore[arg-type]
 
 
 def pack_spec(spec: KVSpec) -> bytes:
@@ -149,7 +163,7 @@ def unpack_spec(data: bytes) -> KVSpec:
 
 
 def describe(spec: KVSpec) -> str:
-    layout = f" {spec.layout_name}" if spec.groups else ""
+    layout = f" {spec.layout_name}" if spec.groups or spec.head_major else ""
     return f"block_shape {list(spec.block_shape)} {DTYPE_NAMES[spec.dtype]}{layout}"
 
 

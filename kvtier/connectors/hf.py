@@ -60,12 +60,14 @@ import torch
 
 from kvtier.config import StoreConfig
 from kvtier.connectors.hf_cache import (
+    HostHitBuffer,
     LayerGather,
     UnsupportedModelError,
     cache_from_layers,
     cache_kwarg,
     cache_layers,
     check_cache,
+    gather_into,
     kv_spec_for,
     new_cache,
     new_layer_tensors,
@@ -86,6 +88,9 @@ __all__ = ["HFConnector", "PrefetchTicket", "PrefillPlan", "UnsupportedModelErro
 _cache_layers = cache_layers  # the name tests and benchmarks used
 
 logger = logging.getLogger(__name__)
+HIT_BUFFER_BYTES = 1 << 30
+"""Default ``hit_buffer_bytes``: a 1 GiB hit at most keeps its memory for the next one
+(about 23k tokens of SmolLM2-135M in fp32, 8k of Llama-3-8B in bf16)."""
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
@@ -202,6 +207,10 @@ class HFConnector:
         store: the store; its spec must match the model's K/V layout and dtype.
         key_context: the namespace's fields; its block_size must equal the store's and its
             ``kv_layout`` the spec's ``layout_name``.
+        hit_buffer_bytes: with a top pool in host memory, the host memory kept between hits
+            for the next hit's K/V (:class:`~kvtier.connectors.hf_cache.HostHitBuffer`: a
+            hit into fresh pages pays their first-touch faults, about as much again as
+            the copy); 0 keeps none.
 
     Raises:
         UnsupportedModelError: a model kvtier cannot serve exactly (names the layer type).
@@ -211,8 +220,11 @@ class HFConnector:
         store_disabled: why storing stopped (a cache that did not match the spec), or ``None``.
     """
 
-    def __init__(self, model: torch.nn.Module, store: TieredStore, key_context: KeyContext) -> None:
-        spec = kv_spec_for(model, store.spec.block_size)
+    def __init__(
+        self, model: torch.nn.Module, store: TieredStore, key_context: KeyContext, *,
+        hit_buffer_bytes: int = HIT_BUFFER_BYTES,
+    ) -> None:
+        spec = kv_spec_for(model, store.spec.block_size, store.spec.head_major)
         check_store_matches(spec, store, key_context)
         self.model, self.store, self.key_context = model, store, key_context
         self.namespace = store.namespace
@@ -222,6 +234,7 @@ class HFConnector:
         store.name = store.name or key_context.model_id
         self.prefill_rate = PrefillRate()
         self._timer = ForwardTimer(model)
+        self._hit_buffer = HostHitBuffer(spec, hit_buffer_bytes) if spec.is_uniform else None
         self._pending: tuple[int, int, float] | None = None  # (computed, cached tokens, load s) of the last prefill
         self.last_prefill: dict[str, float] | None = None
         """The last counted prefill: ``computed_tokens``, ``cached_tokens``, ``load_s``,
@@ -240,13 +253,19 @@ class HFConnector:
         cache_salt: str | None = None,
         remote: RemoteBackend | None = None,
         emulate_gpu: bool = False,
+        hit_buffer_bytes: int = HIT_BUFFER_BYTES,
+        head_major: bool = True,
     ) -> "HFConnector":
         """Build the key context and a store (GPU pool on the model's device) for ``model``.
 
         ``config`` defaults to ``StoreConfig.from_env()``; ``model_revision`` defaults to
         :func:`weights_fingerprint`; ``remote`` is a REMOTE backend to use instead of the one
         ``config.remote_url`` names (e.g. ``kvtier.testing.MemoryRemote``; not closed with
-        the connector); ``emulate_gpu`` builds the GPU pool in host memory for a model on
+        the connector); ``hit_buffer_bytes`` as for the constructor; ``head_major``: blocks
+        in the head-major layout (:data:`kvtier.types.KV_LAYOUT_HEAD_MAJOR`, the order of
+        transformers' caches, gathered at memcpy speed) when the model's layers are uniform,
+        else token-major (``LKVTHD``, vLLM's paged order); the layout is in the namespace, so
+        connectors of the two layouts share no blocks; ``emulate_gpu`` builds the GPU pool in host memory for a model on
         the CPU (``TieredStore``'s option: the two-pool hierarchy of a CUDA machine, for
         tests). The K/V-relevant fields of ``model.config`` as it is now
         (:mod:`kvtier.model_keys`) are keyed on their own whatever ``model_revision`` says.
@@ -256,7 +275,7 @@ class HFConnector:
                 Mamba, encoder-decoder, an unknown cache layer class: the message names it).
         """
         config = config or StoreConfig.from_env()
-        spec = kv_spec_for(model, config.block_size)
+        spec = kv_spec_for(model, config.block_size, head_major=head_major)
         key_context = KeyContext(
             model_id=model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__,
             model_revision=model_revision or weights_fingerprint(model),
@@ -270,7 +289,7 @@ class HFConnector:
             kv_config=kv_config_bytes(kv_config_fields(model.config, kv_cache_dtype=dtype_name(spec.dtype))),
         )
         store = TieredStore(spec, config, key_context.namespace(), model.device, remote, emulate_gpu)
-        return cls(model, store, key_context)
+        return cls(model, store, key_context, hit_buffer_bytes=hit_buffer_bytes)
 
     # -- hooks -------------------------------------------------------------------------------
     def block_hashes(self, token_ids: Sequence[int] | torch.Tensor) -> list[BlockHash]:
@@ -389,8 +408,19 @@ class HFConnector:
         handle, spec = ticket.handle, self.store.spec
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
-        if handle.num_blocks:
-            pool = self.store.top.tensor
+        pool = self.store.top.tensor
+        kv = None
+        if handle.num_blocks and self._hit_buffer is not None and pool.device.type == "cpu":
+            kv = self._hit_buffer.take(handle.num_blocks * self.block_size)
+        if kv is not None:
+            # host pool: every layer at once, each chunk of blocks as it lands (DISK reads
+            # run on the I/O threads meanwhile), into reused host memory
+            block_ids = handle.block_ids
+            for indices in handle.landed():
+                gather_into(spec, pool, kv, [block_ids[i] for i in indices], indices)
+            keys = [kv[layer, 0].unsqueeze(0) for layer in range(spec.num_layers)]
+            values = [kv[layer, 1].unsqueeze(0) for layer in range(spec.num_layers)]
+        elif handle.num_blocks:
             gather = LayerGather(spec, pool, handle.block_ids)
             keys, values = new_layer_tensors(spec, handle.num_blocks * self.block_size, pool.device)
             for layer in range(spec.num_layers):
@@ -403,6 +433,7 @@ class HFConnector:
             num_blocks = media.cut(num_blocks, self.block_size)  # never inside an image
         num_cached = num_blocks * self.block_size
         if num_blocks < handle.num_blocks:  # a shorter prefix: its own tensors, not views of longer ones
+            # (this copy also leaves the hit buffer free for the next hit)
             keys = [k[:, :, :num_cached].contiguous() for k in keys]
             values = [v[:, :, :num_cached].contiguous() for v in values]
         device = self.model.device
@@ -470,6 +501,8 @@ class HFConnector:
     def close(self) -> None:
         self._count_prefill()
         self._timer.close()
+        if self._hit_buffer is not None:
+            self._hit_buffer.release()
         self.store.close()
 
 

@@ -30,6 +30,8 @@ shapes (MLA's latent vs expanded heads) gets a spec, and a namespace, of its own
 
 from __future__ import annotations
 
+import copy
+import math
 from typing import Any, Sequence
 
 import torch
@@ -61,13 +63,15 @@ def new_cache() -> Any:
     return DynamicCache()
 
 
-def kv_spec_for(model: torch.nn.Module, block_size: int) -> KVSpec:
+def kv_spec_for(model: torch.nn.Module, block_size: int, head_major: bool = False) -> KVSpec:
     """Block spec of a decoder-only transformers model: its layer groups (attention kind
     from the cache transformers builds for it, K/V shapes from one probe forward).
 
     Args:
         model: a transformers ``*ForCausalLM`` (any dtype and device).
         block_size: tokens per block.
+        head_major: the head-major layout (:data:`kvtier.types.KV_LAYOUT_HEAD_MAJOR`, the
+            HF connector's) when the layers are uniform; ignored otherwise.
 
     Raises:
         UnsupportedModelError: the model is not one kvtier serves exactly (the message names
@@ -79,7 +83,7 @@ def kv_spec_for(model: torch.nn.Module, block_size: int) -> KVSpec:
         LayerGroup(kind, (layer,), heads, k_dim, v_dim, window)
         for layer, ((kind, window), (heads, k_dim, v_dim)) in enumerate(zip(kinds, shapes))
     ]
-    return KVSpec.from_groups(groups, block_size, dtype)
+    return KVSpec.from_groups(groups, block_size, dtype, head_major)
 
 
 def _text_config(model: torch.nn.Module) -> Any:
@@ -221,7 +225,8 @@ class LayerGather:
     and K/V (a fresh store hands out consecutive slots, so a prefix is usually one run); a
     prefix scattered over more runs than half its blocks is gathered per layer with one
     ``index_select`` instead. A uniform spec on a pool the Triton kernels serve
-    (:func:`kvtier.kernels.use_triton`: CUDA) runs one gather kernel per layer.
+    (:func:`kvtier.kernels.use_triton`: CUDA) runs one gather kernel per layer; a head-major
+    spec takes the torch path (its runs are whole blocks per head already).
 
     Args:
         spec: the block layout.
@@ -232,7 +237,7 @@ class LayerGather:
     def __init__(self, spec: KVSpec, pool: torch.Tensor, block_ids: Sequence[int]) -> None:
         self.spec, self.pool, self.num_blocks = spec, pool, len(block_ids)
         runs = _runs(block_ids)
-        self._triton = spec.is_uniform and use_triton(pool)
+        self._triton = spec.is_uniform and not spec.head_major and use_triton(pool)
         self._runs = runs if not self._triton and len(runs) <= max(1, len(block_ids) // 2) else None
         self._ids = None if self._runs is not None else torch.tensor(list(block_ids), dtype=torch.int64, device=pool.device)
         self._views = None if self._triton else spec.layer_views(pool)
@@ -253,6 +258,103 @@ class LayerGather:
                 blocks[dst : dst + length].copy_(view[src : src + length])
 
 
+class HostHitBuffer:
+    """Host memory for the K/V of hits, kept from one hit to the next (uniform specs).
+
+    A hit's K/V go to the model as views of one ``[num_layers, 2, num_kv_heads, num_tokens,
+    head_dim]`` tensor (:meth:`take`; layer ``l``'s K is ``[l, 0]``, contiguous). A fresh host
+    allocation of that size is fresh pages: glibc's malloc serves an allocation above its
+    mmap threshold (128 KiB, adapting up to 32 MiB) with a new ``mmap`` and unmaps it on
+    free, and the kernel zero-fills every 4 KiB page on its first touch, which costs about
+    as much as the copy itself (0.6-0.9x of one ``Tensor.copy_`` of the same bytes on
+    bench/hit_path.py's 2-core host, 1-4k tokens of SmolLM2-135M). So the buffer is
+    kept once the hit is done with it, and the next hit writes into pages already mapped
+    (CUDA's caching allocator does the same for device memory).
+
+    "Done with it": nothing but this object holds the buffer's storage (transformers'
+    ``DynamicLayer.update`` concatenates into a new tensor, so after the prefill's forward
+    no cache layer points into it any more; a cache the caller keeps, or any view of it,
+    holds it and the next hit gets a new buffer). The test is the storage's use count
+    (``torch._C._storage_Use_Count``, the check torch's CUDA-graph trees use for the same
+    question); a torch without it never reuses.
+
+    Memory: the largest hit's K/V up to ``keep_bytes`` stays allocated between hits; while
+    a prefill runs, the buffer lives until its last layer was replaced (the new layers are
+    allocated beside it).
+
+    Args:
+        spec: a uniform spec (``spec.is_uniform``).
+        keep_bytes: the largest buffer kept between hits (a larger hit, or one while the
+            buffer is in use, gets per-layer tensors of its own: :meth:`take` is ``None``).
+    """
+
+    def __init__(self, spec: KVSpec, keep_bytes: int) -> None:
+        assert spec.is_uniform, "HostHitBuffer needs a uniform spec"
+        if not isinstance(keep_bytes, int) or isinstance(keep_bytes, bool) or keep_bytes < 0:
+            raise ValueError(f"expected hit_buffer_bytes to be an int >= 0, got {keep_bytes!r}")
+        self.spec, self.keep_bytes = spec, keep_bytes
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, num_tokens: int) -> torch.Tensor | None:
+        """A ``[num_layers, 2, num_kv_heads, num_tokens, head_dim]`` contiguous CPU tensor of
+        ``spec.dtype`` (uninitialised) in the kept buffer (allocated, or grown, when none is
+        kept or it is too small and free), or ``None`` when the buffer is in use or the hit
+        is over ``keep_bytes``: then the caller allocates per layer (:func:`new_layer_tensors`:
+        layer-sized blocks that glibc's heap recycles from one hit to the next, where one
+        fresh allocation of the whole hit is new pages every time: 6-8x a plain copy's time
+        for 1-4k tokens of SmolLM2-135M, bench/hit_path.py's "no kept buffer" rows before
+        this fallback)."""
+        spec = self.spec
+        shape = (spec.num_layers, 2, spec.num_kv_heads, num_tokens, spec.head_dim)
+        numel = math.prod(shape)
+        if numel * spec.dtype.itemsize > self.keep_bytes:
+            return None
+        buffer = self._buffer
+        if buffer is not None and not _sole_owner(buffer):
+            return None
+        if buffer is None or buffer.numel() < numel:
+            self._buffer = buffer = None  # the old one first: its pages go back before the new ones
+            self._buffer = buffer = torch.empty(numel, dtype=spec.dtype)
+        return buffer[:numel].view(shape)
+
+    def release(self) -> None:
+        """Drop the kept buffer (the memory returns once no cache uses it)."""
+        self._buffer = None
+
+
+def _sole_owner(tensor: torch.Tensor) -> bool:
+    """True when no tensor but ``tensor`` itself uses its storage (no view, no cache layer)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    storage = tensor.untyped_storage()
+    return use_count(storage._cdata) == 2  # ``tensor`` and ``storage`` (this Python object)
+
+
+def gather_into(spec: KVSpec, pool: torch.Tensor, out: torch.Tensor, block_ids: Sequence[int],
+                indices: Sequence[int]) -> None:
+    """Copy blocks ``block_ids`` of ``pool`` to their request positions ``indices`` of
+    ``out``, every layer and K/V at once: one strided ``copy_`` per run of consecutive slots
+    at consecutive positions (a fresh store hands out consecutive slots, so a prefix is
+    usually one run; a DISK chunk of it one run each).
+
+    A head-major pool (``spec.head_major``) copies runs of ``block_size * head_dim``
+    elements, a token-major one runs of ``head_dim`` (1.3-1.7x the time of a plain copy of
+    the same bytes here, vs 1.0-1.4x: the head-major layout's reason).
+
+    Args:
+        spec: a uniform spec: ``pool`` is ``[num_blocks, *spec.block_shape]``.
+        out: ``[num_layers, 2, num_kv_heads, n * block_size, head_dim]`` contiguous
+            (:meth:`HostHitBuffer.take`), tokens ``i * block_size ..`` of position ``i``.
+        block_ids, indices: ``[k]`` each: slot and request position of each block.
+    """
+    layers, _, heads, tokens, dim = out.shape
+    blocks = out.view(layers, 2, heads, tokens // spec.block_size, spec.block_size, dim)
+    order = (1, 2, 3, 0, 4, 5) if spec.head_major else (1, 2, 4, 0, 3, 5)  # -> [L, 2, H, k, B, D]
+    for slot, index, length in _runs(block_ids, indices):
+        blocks[:, :, :, index : index + length].copy_(pool[slot : slot + length].permute(order))
+
+
 def cache_from_layers(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> Any:
     """A :func:`new_cache` whose layer ``i`` holds ``keys[i]`` / ``values[i]`` themselves
     (``[1, num_kv_heads, seq_len, head_dim]`` each, the same ``seq_len`` in every layer).
@@ -260,18 +362,39 @@ def cache_from_layers(keys: Sequence[torch.Tensor], values: Sequence[torch.Tenso
     ``DynamicCache.update`` on an empty layer concatenates the tensor to an empty one: a copy
     of every cached byte. Instead each layer is created and initialised by an update with no
     positions, then handed the tensors (``DynamicLayer.keys`` / ``.values``, the attributes
-    :func:`cache_layers` reads). A transformers release without cache layers gets plain
-    updates (one copy per layer).
+    :func:`cache_layers` reads). Layers after the first are shallow copies of the first one
+    so initialised (the same class, device and dtype: what the update would make, without
+    its two empty concatenations per layer, ~20 us each on a loaded host: 30 layers were
+    0.1-0.2x of a 1k-token hit's copy). A transformers release without cache layers gets
+    plain updates (one copy per layer).
     """
     cache = new_cache()
+    first = None
     for layer, (key, value) in enumerate(zip(keys, values)):
-        cache.update(key[:, :, :0], value[:, :, :0], layer)
         layers = getattr(cache, "layers", None)
+        if first is not None and layers is not None and len(layers) == layer and key.device == first.keys.device:
+            layers.append(copy.copy(first))
+        else:
+            cache.update(key[:, :, :0], value[:, :, :0], layer)
+            layers = getattr(cache, "layers", None)
         if layers is None or len(layers) <= layer or not hasattr(layers[layer], "keys"):
             cache.update(key, value, layer)  # transformers < 4.56: key_cache / value_cache lists
             continue
+        if first is None and _plain_layer(cache, layers[layer]):
+            first = copy.copy(layers[layer])  # initialised, still empty: the template
         layers[layer].keys, layers[layer].values = key, value
     return cache
+
+
+_PLAIN = (torch.Tensor, torch.device, torch.dtype, bool, int, float, str, type(None))
+
+
+def _plain_layer(cache: Any, layer: Any) -> bool:
+    """``layer`` is of the class the cache makes for new layers and holds only values a
+    shallow copy does not share mutably (tensors are replaced, never written in place)."""
+    return getattr(cache, "layer_class_to_replicate", None) is type(layer) and all(
+        isinstance(v, _PLAIN) for v in vars(layer).values()
+    )
 
 
 def scatter_from_layers(
@@ -289,11 +412,18 @@ def scatter_from_layers(
         pool: ``[num_blocks, *spec.block_shape]``, written.
         ids: ``[n]`` int64 distinct block ids on the pool's device.
     """
+    n, size = ids.numel(), spec.block_size
+    end = start_token + n * size
+    if spec.head_major:  # [1, H, n * B, D] -> [n, H, B, D]: whole blocks per head
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            for kv, src in ((0, k), (1, v)):
+                heads, dim = src.shape[1], src.shape[3]
+                blocks = src[0, :, start_token:end].reshape(heads, n, size, dim).transpose(0, 1)
+                pool[:, layer, kv].index_copy_(0, ids, blocks.to(pool.device))
+        return
     if spec.is_uniform:
         scatter_contiguous_to_blocks(keys, values, pool, ids, start_token=start_token)
         return
-    n, size = ids.numel(), spec.block_size
-    end = start_token + n * size
     for (k_view, v_view), k, v in zip(spec.layer_views(pool), keys, values):
         for view, src in ((k_view, k), (v_view, v)):
             heads, dim = src.shape[1], src.shape[3]
@@ -310,11 +440,12 @@ def _block_view(cache: torch.Tensor, num_blocks: int, block_size: int) -> torch.
     return cache[0, :, : num_blocks * block_size].unflatten(1, (num_blocks, block_size)).permute(1, 2, 0, 3)
 
 
-def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(first_slot, first_index, length)`` of each run of consecutive slots in ``block_ids``."""
+def _runs(block_ids: Sequence[int], indices: Sequence[int] | None = None) -> list[tuple[int, int, int]]:
+    """``(first_slot, first_index, length)`` of each run of consecutive slots at consecutive
+    positions (``indices``, default ``0 .. len(block_ids) - 1``) in ``block_ids``."""
     runs: list[tuple[int, int, int]] = []
-    for index, slot in enumerate(block_ids):
-        if runs and runs[-1][0] + runs[-1][2] == slot:
+    for index, slot in zip(range(len(block_ids)) if indices is None else indices, block_ids):
+        if runs and runs[-1][0] + runs[-1][2] == slot and runs[-1][1] + runs[-1][2] == index:
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
             runs.append((slot, index, 1))

@@ -180,6 +180,16 @@ class TransferEngine:
                 results[job_id] = self._take(job_id)
         return results
 
+    def join(self, job_ids: Iterable[int]) -> None:
+        """Block until ``job_ids`` finish, leaving their results to :meth:`wait` or
+        :meth:`poll` (ids already returned are skipped): for a consumer that uses a job's
+        bytes as soon as they land and takes the results later."""
+        for job_id in job_ids:
+            with self._lock:
+                pending = self._pending.get(job_id)
+            if pending is not None:
+                pending.result()
+
     def _take(self, job_id: int) -> JobResult:
         with self._lock:
             pending = self._pending.pop(job_id)

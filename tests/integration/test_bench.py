@@ -99,8 +99,9 @@ def test_kv_bytes_rows_follow_from_the_layout(tmp_path):
 
 @pytest.mark.slow
 def test_hit_path_bench_checks_the_hit_and_writes_rows_with_same_run_baselines(tmp_path):
-    """tiny-llama (2 layers), one 64-token prefix: before_prefill from CPU and from DISK, each
-    beside one copy_ of the same bytes; the bench itself asserts the hit is bit-exact."""
+    """tiny-llama (2 layers), one 64-token prefix: before_prefill from CPU, from DISK and from
+    CPU without a kept host buffer, each beside one copy_ of the same bytes; the bench itself
+    asserts the hit is bit-exact."""
     out = tmp_path / "hit.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(
@@ -114,6 +115,7 @@ def test_hit_path_bench_checks_the_hit_and_writes_rows_with_same_run_baselines(t
     assert any(m.startswith("before_prefill: CPU hit, 64 tokens") for m in metrics), metrics
     assert any(m.startswith("before_prefill: DISK hit, 64 tokens") for m in metrics), metrics
     assert any("DiskTier.read_into" in m for m in metrics), metrics
+    assert any(m.startswith("before_prefill: CPU hit, 64 tokens") and m.endswith("no kept buffer") for m in metrics)
     for row in rows:
         assert set(row) == ROW_KEYS and row["unit"] == "ms" and row["value"] > 0 and row["baseline"] > 0
         assert math.isclose(row["ratio"], row["value"] / row["baseline"], rel_tol=1e-9)

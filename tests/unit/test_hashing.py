@@ -119,3 +119,22 @@ def test_any_two_key_contexts_that_differ_give_different_first_block_hashes(a, b
     ha = block_hashes_for(tokens, a.namespace(), a.block_size, a.hash_name)[0]
     hb = block_hashes_for(tokens, b.namespace(), b.block_size, b.hash_name)[0]
     assert (ha == hb) == (dataclasses.astuple(a) == dataclasses.astuple(b))
+
+
+@pytest.mark.parametrize("hash_name", ["sha256", "xxh3_128"])
+def test_block_keys_for_is_the_chain_of_key_block_tokens(hash_name):
+    """block_keys_for encodes the tokens once and slices bytes: the same keys as chaining
+    key_block_tokens block by block, with and without extra keys."""
+    from kvtier.hashing import block_keys_for, key_block_tokens
+
+    tokens = [(i * 7919) % (1 << 40) for i in range(70)]
+    namespace = bytes(range(32))
+    for extra in (None, [b"", b"img", b"", b"\x00\x01"]):
+        got = block_keys_for(tokens, namespace, 16, hash_name, extra)
+        parent, parent_fp, want = namespace, namespace, ([], [])
+        for i in range(4):
+            parent, parent_fp = key_block_tokens(parent, parent_fp, tokens[i * 16 : (i + 1) * 16],
+                                                 extra[i] if extra else b"", hash_name)
+            want[0].append(parent)
+            want[1].append(parent_fp)
+        assert got == want

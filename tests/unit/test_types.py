@@ -126,3 +126,39 @@ def test_blocks_of_every_layout_round_trip_through_cpu_and_disk(make, make_store
     with loaded.lease:
         assert len(loaded.block_ids) == 6 and set(loaded.sources) == {Medium.DISK}
         assert torch.equal(reopened.top.tensor[torch.tensor(loaded.block_ids)], blocks)
+
+
+def test_head_major_layout_has_its_own_name_shape_and_wire_form():
+    from kvtier.types import KV_LAYOUT_HEAD_MAJOR
+    from kvtier.wire import pack_spec, spec_from_wire, spec_to_wire, unpack_spec
+
+    token = KVSpec(4, 2, 16, 8, F32)
+    head = KVSpec(4, 2, 16, 8, F32, head_major=True)
+    assert head != token and head.layout_name == KV_LAYOUT_HEAD_MAJOR and token.layout_name == KV_LAYOUT
+    assert head.block_shape == (4, 2, 2, 8, 16) and head.block_nbytes == token.block_nbytes
+    sliding = KVSpec.from_groups(hybrid().groups, 4, F32, head_major=True)
+    assert sliding.head_major and sliding.layout_name.startswith(KV_LAYOUT_HEAD_MAJOR + "[")
+    assert not KVSpec.from_groups(mla().groups, 4, F32, head_major=True).head_major  # not uniform: token-major
+    for spec in (head, sliding, token, hybrid(), mla()):
+        assert spec_from_wire(spec_to_wire(spec)) == spec and unpack_spec(pack_spec(spec)) == spec
+    assert "layout" not in spec_to_wire(token)  # unchanged for the layouts before it
+    with pytest.raises(ValueError, match="expected a uniform spec for head_major"):
+        KVSpec(3, 0, 0, 4, F32, mla().groups, head_major=True)
+    with pytest.raises(ValueError, match="expected layout"):
+        spec_from_wire({**spec_to_wire(head), "layout": "HDTKVL"})
+    with pytest.raises(ValueError, match="expected uniform groups"):
+        spec_from_wire({**spec_to_wire(mla()), "layout": KV_LAYOUT_HEAD_MAJOR})
+
+
+def test_head_major_blocks_round_trip_through_cpu_and_disk(make_store, namespace):
+    spec = KVSpec(4, 2, 16, 4, F32, head_major=True)
+    blocks = torch.randn(6, *spec.block_shape)
+    hashes = chain(6, spec, namespace)
+    store = make_store(gpu_blocks=2, cpu_blocks=2, disk_blocks=8, spec=spec)
+    assert store.store(hashes, blocks) == 6
+    store.close()
+    reopened = make_store(gpu_blocks=6, disk_blocks=8, spec=spec)
+    loaded = reopened.load(hashes)
+    with loaded.lease:
+        assert len(loaded.block_ids) == 6 and set(loaded.sources) == {Medium.DISK}
+        assert torch.equal(reopened.top.tensor[torch.tensor(loaded.block_ids)], blocks)

@@ -111,7 +111,9 @@ class HFPagedConnector:
     ) -> "HFPagedConnector":
         """Build the key context and the store (top pool on the model's device) for ``model``:
         the same namespace as :meth:`kvtier.connectors.hf.HFConnector.from_model` with the same
-        arguments, so blocks stored by either connector are hits for the other.
+        arguments and ``head_major=False`` (the token-major layout of the paged cache, and of
+        this connector's kernels; ``HFConnector``'s default head-major layout is another
+        namespace), so blocks stored by either connector are hits for the other.
         ``model_revision`` defaults to :func:`~kvtier.connectors.hf.weights_fingerprint`."""
         check_transformers()
         config = config or StoreConfig.from_env()

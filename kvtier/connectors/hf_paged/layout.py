@@ -7,7 +7,7 @@ order). kvtier keys *blocks* of ``block_size`` tokens. ``page_size`` must be a m
 paged block ``block_table[j // ratio]`` at token offset ``(j % ratio) * block_size``. So a hit
 may end inside a paged block (the request then computes the rest of that block), and blocks
 stored by ``model.generate`` through :class:`kvtier.connectors.hf.HFConnector` with the same
-``block_size`` are hits here too (same namespace, same bytes).
+``block_size`` and ``head_major=False`` are hits here too (same namespace, same bytes).
 
 Every layout gives the kernels per-layer K and V *block views* ``[num_views, block_size,
 num_kv_heads, head_dim]`` (strided views of the engine's cache tensor, no copy), one set per

@@ -97,7 +97,7 @@ CACHED = (PROMPT - 1) // BLOCK * BLOCK  # 28 of 30 prompt tokens come from kvtie
 @pytest.mark.parametrize("name", TIER_FAMILIES)
 def test_gpu_pool_hits_multi_turn(name, tmp_path):
     model = model_of(name)
-    spec = kv_spec_for(model, BLOCK)
+    spec = kv_spec_for(model, BLOCK, head_major=True)
     conn = HFConnector.from_model(model, config(tmp_path, spec=spec), model_id=name, emulate_gpu=True)
     try:
         ids = prompt(PROMPT, seed=1)
@@ -122,7 +122,7 @@ def test_gpu_pool_hits_multi_turn(name, tmp_path):
 @pytest.mark.parametrize("name", TIER_FAMILIES)
 def test_cpu_hits_after_gpu_pool_evicted(name, tmp_path):
     model = model_of(name)
-    spec = kv_spec_for(model, BLOCK)
+    spec = kv_spec_for(model, BLOCK, head_major=True)
     conn = HFConnector.from_model(
         model, config(tmp_path, gpu_blocks=10, cpu_blocks=64, spec=spec), model_id=name, emulate_gpu=True
     )
@@ -140,7 +140,7 @@ def test_cpu_hits_after_gpu_pool_evicted(name, tmp_path):
 @pytest.mark.parametrize("name", TIER_FAMILIES)
 def test_disk_hits_after_reopening_in_a_new_store(name, tmp_path):
     model = model_of(name)
-    spec = kv_spec_for(model, BLOCK)
+    spec = kv_spec_for(model, BLOCK, head_major=True)
     cfg = config(tmp_path, gpu_blocks=32, disk_blocks=64, spec=spec)
     ids = prompt(PROMPT, seed=1)
     first = HFConnector.from_model(model, cfg, model_id=name)
@@ -156,7 +156,7 @@ def test_disk_hits_after_reopening_in_a_new_store(name, tmp_path):
 @pytest.mark.parametrize("name", TIER_FAMILIES)
 def test_remote_hits_in_another_store(name, tmp_path):
     model = model_of(name)
-    spec = kv_spec_for(model, BLOCK)
+    spec = kv_spec_for(model, BLOCK, head_major=True)
     remote = MemoryRemote()
     ids = prompt(PROMPT, seed=1)
     first = HFConnector.from_model(model, config(tmp_path / "a", spec=spec), model_id=name, remote=remote)
@@ -178,7 +178,7 @@ def test_remote_hits_through_the_daemon(name, tmp_path):
     from tests.unit.server.conftest import ThreadDaemon, serve_settings
 
     model = model_of(name)
-    spec = kv_spec_for(model, BLOCK)
+    spec = kv_spec_for(model, BLOCK, head_major=True)
     daemon = ThreadDaemon(serve_settings(tmp_path / "daemon", spec=spec)).start()
     try:
         ids = prompt(PROMPT, seed=1)
@@ -228,7 +228,7 @@ def test_cache_that_dropped_positions_disables_storing(tmp_path, caplog):
     from transformers import DynamicCache
 
     model = model_of("mistral")
-    spec = kv_spec_for(model, BLOCK)
+    spec = kv_spec_for(model, BLOCK, head_major=True)
     conn = HFConnector.from_model(model, config(tmp_path, spec=spec), model_id="mistral")
     try:
         ids = prompt(PROMPT, seed=1)
@@ -250,7 +250,7 @@ def test_cache_that_dropped_positions_disables_storing(tmp_path, caplog):
 
 def test_cache_of_other_shapes_disables_storing(tmp_path):
     model, mla = model_of("llama"), model_of("deepseek-v3")  # MLA caches a latent K of 32, V of 8
-    conn = HFConnector.from_model(model, config(tmp_path, spec=kv_spec_for(model, BLOCK)), model_id="llama")
+    conn = HFConnector.from_model(model, config(tmp_path, spec=kv_spec_for(model, BLOCK, head_major=True)), model_id="llama")
     try:
         ids = prompt(PROMPT, seed=1)
         wrong = new_cache()

@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.connectors.hf_cache import LayerGather, cache_from_layers, cache_layers, new_layer_tensors
+from kvtier.connectors.hf_cache import (
+    HostHitBuffer,
+    LayerGather,
+    cache_from_layers,
+    cache_layers,
+    gather_into,
+    new_layer_tensors,
+    scatter_from_layers,
+)
 from kvtier.types import KVSpec, LayerGroup
 
 BLOCK = 4
@@ -66,3 +74,90 @@ def test_cache_from_layers_holds_the_tensors_themselves_and_grows_by_update() ->
     k, v = cache.update(new_k, new_v, 1)  # the suffix prefill appends after the cached positions
     assert torch.equal(k, torch.cat([keys[1], new_k], dim=-2)) and torch.equal(v, torch.cat([values[1], new_v], dim=-2))
     assert cache.get_seq_length(1) == 11 and cache.get_seq_length(0) == 8
+
+
+# -- the head-major layout and the host hit path -------------------------------------------------
+HEAD_MAJOR = KVSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=BLOCK, dtype=torch.float32, head_major=True)
+
+
+def test_head_major_layer_views_read_heads_outer_in_each_block() -> None:
+    """Independent of layer_views: token t, head h of layer l's K in slot b is pool[b, l, 0, h, t]."""
+    pool = torch.randn(5, *HEAD_MAJOR.block_shape)
+    assert HEAD_MAJOR.block_shape == (3, 2, 2, BLOCK, 8)
+    for layer, (k, v) in enumerate(HEAD_MAJOR.layer_views(pool)):
+        assert k.shape == (5, BLOCK, 2, 8) and v.shape == (5, BLOCK, 2, 8)
+        for b, t, h in ((0, 0, 0), (4, BLOCK - 1, 1), (2, 1, 1)):
+            assert torch.equal(k[b, t, h], pool[b, layer, 0, h, t]) and torch.equal(v[b, t, h], pool[b, layer, 1, h, t])
+
+
+@pytest.mark.parametrize(
+    "ids", [[3, 4, 5, 6], [6, 2, 3, 0], [5], [1, 2, 7, 8, 9, 0]], ids=["one run", "scattered", "one block", "two runs"]
+)
+def test_layer_gather_of_a_head_major_pool_puts_every_token_at_its_position(ids: list[int]) -> None:
+    pool = torch.randn(10, *HEAD_MAJOR.block_shape)
+    keys, values = new_layer_tensors(HEAD_MAJOR, len(ids) * BLOCK, pool.device)
+    gather = LayerGather(HEAD_MAJOR, pool, ids)
+    for layer in range(3):
+        gather.layer(layer, keys[layer], values[layer])
+        want_k, want_v = expected_layer(HEAD_MAJOR, pool, ids, layer)
+        assert torch.equal(keys[layer], want_k) and torch.equal(values[layer], want_v)
+
+
+@pytest.mark.parametrize("spec", [UNIFORM, HEAD_MAJOR], ids=["token-major", "head-major"])
+@pytest.mark.parametrize(
+    "chunks", [[[0, 1, 2, 3]], [[2, 3], [0, 1]], [[0], [3], [1, 2]]], ids=["at once", "two chunks", "out of order"]
+)
+def test_gather_into_writes_each_chunk_at_its_positions(spec: KVSpec, chunks: list[list[int]]) -> None:
+    """Chunks as PrefetchHandle.landed yields them (any order): every layer's K/V of every
+    block lands at its request position, bit for bit, whatever the slots."""
+    pool = torch.randn(12, *spec.block_shape)
+    ids = [7, 8, 2, 10]  # positions 0, 1 consecutive slots; 2, 3 not
+    out = torch.full((3, 2, 2, 4 * BLOCK, 8), float("nan"))
+    for chunk in chunks:
+        gather_into(spec, pool, out, [ids[i] for i in chunk], chunk)
+    for layer in range(3):
+        want_k, want_v = expected_layer(spec, pool, ids, layer)
+        assert torch.equal(out[layer, 0].unsqueeze(0), want_k) and torch.equal(out[layer, 1].unsqueeze(0), want_v)
+
+
+@pytest.mark.parametrize("spec", [UNIFORM, HEAD_MAJOR], ids=["token-major", "head-major"])
+def test_scatter_then_gather_gives_back_the_cache_bytes(spec: KVSpec) -> None:
+    keys = [torch.randn(1, 2, 3 * BLOCK + 2, 8) for _ in range(3)]
+    values = [torch.randn(1, 2, 3 * BLOCK + 2, 8) for _ in range(3)]
+    pool = torch.zeros(8, *spec.block_shape)
+    scatter_from_layers(spec, keys, values, pool, torch.tensor([5, 1]), BLOCK)  # tokens BLOCK .. 3 * BLOCK
+    out = torch.empty(3, 2, 2, 2 * BLOCK, 8)
+    gather_into(spec, pool, out, [5, 1], [0, 1])
+    for layer in range(3):
+        assert torch.equal(out[layer, 0], keys[layer][0, :, BLOCK : 3 * BLOCK])
+        assert torch.equal(out[layer, 1], values[layer][0, :, BLOCK : 3 * BLOCK])
+
+
+def test_hit_buffer_is_reused_only_once_nothing_else_holds_it() -> None:
+    buffer = HostHitBuffer(HEAD_MAJOR, 1 << 20)
+    kv = buffer.take(2 * BLOCK)
+    assert kv.shape == (3, 2, 2, 2 * BLOCK, 8) and kv.is_contiguous()
+    first = kv.data_ptr()
+    cropped = kv[0, 0].unsqueeze(0)[:, :, :3]  # a cache layer cropped by the caller: a view of a view
+    del kv
+    assert buffer.take(2 * BLOCK) is None, "handed out memory a live view still reads"
+    del cropped
+    assert buffer.take(BLOCK).data_ptr() == first  # free and large enough: reused (a shorter hit too)
+    grown = buffer.take(4 * BLOCK)  # free but too small: replaced by a larger one
+    assert grown.shape == (3, 2, 2, 4 * BLOCK, 8)
+    ptr = grown.data_ptr()
+    del grown
+    assert buffer.take(2 * BLOCK).data_ptr() == ptr
+
+
+def test_hit_buffer_keeps_nothing_above_keep_bytes() -> None:
+    one_block = (3 * 2 * 2 * BLOCK * 8) * 4  # one block's worth of this spec, fp32
+    buffer = HostHitBuffer(HEAD_MAJOR, one_block)
+    first = buffer.take(BLOCK)
+    ptr = first.data_ptr()
+    del first
+    assert buffer.take(2 * BLOCK) is None  # larger than keep_bytes: the caller allocates per layer
+    assert buffer.take(BLOCK).data_ptr() == ptr
+    with pytest.raises(ValueError):
+        HostHitBuffer(HEAD_MAJOR, -1)
+    assert HostHitBuffer(HEAD_MAJOR, 0).take(BLOCK) is None

@@ -223,12 +223,14 @@ def test_late_load_computes_instead(model, connect):
 
 def test_blocks_are_shared_with_the_generate_connector(model, connect, tmp_path):
     """Same namespace, same bytes: blocks stored by continuous batching are hits for
-    model.generate through HFConnector (and their K/V match what generate computes)."""
+    model.generate through HFConnector built token-major (``head_major=False``: the paged
+    cache's layout; its default head-major layout is another namespace), and their K/V
+    match what generate computes."""
     prompt = tokens(3 * BLOCK + 4, seed=7)
     conn = connect()
     with_kvtier(conn, [[prompt]])
     conn.close()
-    generate = HFConnector.from_model(model, store_config(tmp_path), model_id="tiny")
+    generate = HFConnector.from_model(model, store_config(tmp_path), model_id="tiny", head_major=False)
     try:
         plan = generate.before_prefill(torch.tensor([prompt]))
         assert plan.num_cached_tokens == 3 * BLOCK
