@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 from typing import Any, Sequence
 
 import torch
@@ -294,6 +295,7 @@ class HostHitBuffer:
             raise ValueError(f"expected hit_buffer_bytes to be an int >= 0, got {keep_bytes!r}")
         self.spec, self.keep_bytes = spec, keep_bytes
         self._buffer: torch.Tensor | None = None
+        self._lock = threading.Lock()  # two hits at once never get the same buffer
 
     def take(self, num_tokens: int) -> torch.Tensor | None:
         """A ``[num_layers, 2, num_kv_heads, num_tokens, head_dim]`` contiguous CPU tensor of
@@ -309,13 +311,14 @@ class HostHitBuffer:
         numel = math.prod(shape)
         if numel * spec.dtype.itemsize > self.keep_bytes:
             return None
-        buffer = self._buffer
-        if buffer is not None and not _sole_owner(buffer):
-            return None
-        if buffer is None or buffer.numel() < numel:
-            self._buffer = buffer = None  # the old one first: its pages go back before the new ones
-            self._buffer = buffer = torch.empty(numel, dtype=spec.dtype)
-        return buffer[:numel].view(shape)
+        with self._lock:  # the check and the view that makes the buffer taken, as one step
+            buffer = self._buffer
+            if buffer is not None and not _sole_owner(buffer):
+                return None
+            if buffer is None or buffer.numel() < numel:
+                self._buffer = buffer = None  # the old one first: its pages go back before the new ones
+                self._buffer = buffer = torch.empty(numel, dtype=spec.dtype)
+            return buffer[:numel].view(shape)
 
     def release(self) -> None:
         """Drop the kept buffer (the memory returns once no cache uses it)."""

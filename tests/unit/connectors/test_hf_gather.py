@@ -161,3 +161,25 @@ def test_hit_buffer_keeps_nothing_above_keep_bytes() -> None:
     with pytest.raises(ValueError):
         HostHitBuffer(HEAD_MAJOR, -1)
     assert HostHitBuffer(HEAD_MAJOR, 0).take(BLOCK) is None
+
+
+def test_hit_buffer_taken_from_many_threads_at_once_is_handed_to_one_only() -> None:
+    """Two hits at once must never be given the same memory (each would overwrite the other's
+    K/V): of the takes racing on a free buffer, exactly one gets it, the rest get ``None``."""
+    import threading
+
+    for _ in range(50):
+        buffer = HostHitBuffer(HEAD_MAJOR, 1 << 20)
+        buffer.take(BLOCK)  # allocated (the view is dropped at once: free again)
+        start, taken = threading.Barrier(8), []
+
+        def take() -> None:
+            start.wait()
+            taken.append(buffer.take(BLOCK))
+
+        threads = [threading.Thread(target=take) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sum(kv is not None for kv in taken) == 1, [kv is not None for kv in taken]
