@@ -113,7 +113,8 @@ def test_head_fields_must_agree_with_the_groups():
         KVSpec(4, 2, 8, 4, F32, hybrid().groups)
 
 
-@pytest.mark.parametrize("make", [hybrid, mla], ids=["hybrid", "mla"])
+@pytest.mark.parametrize("make", [hybrid, mla, lambda: KVSpec(4, 2, 16, 4, F32, head_major=True)],
+                         ids=["hybrid", "mla", "head-major"])
 def test_blocks_of_every_layout_round_trip_through_cpu_and_disk(make, make_store, namespace):
     spec = make()
     blocks = torch.randn(6, *spec.block_shape)
@@ -148,17 +149,3 @@ def test_head_major_layout_has_its_own_name_shape_and_wire_form():
         spec_from_wire({**spec_to_wire(head), "layout": "HDTKVL"})
     with pytest.raises(ValueError, match="expected uniform groups"):
         spec_from_wire({**spec_to_wire(mla()), "layout": KV_LAYOUT_HEAD_MAJOR})
-
-
-def test_head_major_blocks_round_trip_through_cpu_and_disk(make_store, namespace):
-    spec = KVSpec(4, 2, 16, 4, F32, head_major=True)
-    blocks = torch.randn(6, *spec.block_shape)
-    hashes = chain(6, spec, namespace)
-    store = make_store(gpu_blocks=2, cpu_blocks=2, disk_blocks=8, spec=spec)
-    assert store.store(hashes, blocks) == 6
-    store.close()
-    reopened = make_store(gpu_blocks=6, disk_blocks=8, spec=spec)
-    loaded = reopened.load(hashes)
-    with loaded.lease:
-        assert len(loaded.block_ids) == 6 and set(loaded.sources) == {Medium.DISK}
-        assert torch.equal(reopened.top.tensor[torch.tensor(loaded.block_ids)], blocks)

@@ -4,23 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvtier.config import StoreConfig
 from kvtier.connectors.hf import HFConnector, cache_kwarg
 from kvtier.types import Medium
+from tests.conftest import flip_byte, patch_record
 
 BLOCK = 16
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-    )
-    return LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture
@@ -168,9 +158,7 @@ def test_corrupt_disk_record_is_a_miss_and_output_matches_cold_regression_d1(mod
     first.close()
     env = lmdb.open(str(tmp_path / "disk"))
     with env.begin(write=True) as txn:  # flip one payload byte of block 2
-        value = bytearray(txn.get(hashes[2]))
-        value[-7] ^= 0x40
-        txn.put(hashes[2], bytes(value))
+        patch_record(txn, hashes[2], flip_byte(-7, 0x40))
     env.close()
     second = HFConnector.from_model(model, config, model_id="tiny-llama")
     warm, plan = generate(model, ids, second)

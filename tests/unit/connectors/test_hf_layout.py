@@ -8,7 +8,6 @@ from __future__ import annotations
 import lmdb
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvtier.config import StoreConfig
 from kvtier.connectors.hf import HFConnector
@@ -17,18 +16,9 @@ from kvtier.records import ReadStatus
 from kvtier.store import prefetch
 from kvtier.types import KV_LAYOUT, KV_LAYOUT_HEAD_MAJOR, Medium
 from kvtier.wire import spec_from_wire, spec_to_wire
+from tests.conftest import flip_byte, patch_record
 
 BLOCK = 16
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-    )
-    return LlamaForCausalLM(cfg).eval()
 
 
 def prompt(n: int, seed: int = 0) -> torch.Tensor:
@@ -145,9 +135,7 @@ def test_disk_reads_land_in_chunks_and_a_corrupt_one_ends_the_prefix(model, tmp_
     kv.close()
     env = lmdb.open(str(tmp_path / "disk"))
     with env.begin(write=True) as txn:  # flip one payload byte of block 3
-        value = bytearray(txn.get(hashes[3]))
-        value[-5] ^= 0x10
-        txn.put(hashes[3], bytes(value))
+        patch_record(txn, hashes[3], flip_byte(-5, 0x10))
     env.close()
     kv = connector(model, cfg)
     plan = kv.before_prefill(ids)
