@@ -23,9 +23,10 @@ from tests.unit.server.conftest import SPEC, frames, hashes, ns_url
 
 import torch
 
-@pytest.fixture(params=["asyncio", "uvloop"])
+@pytest.fixture(params=[pytest.param("asyncio", marks=pytest.mark.slow), "uvloop"])
 def secure_daemon(request, secure_daemon):
-    """Every deadline on both event loops the daemon runs on (kvtier.server.loop)."""
+    """Every deadline on both event loops the daemon runs on (kvtier.server.loop); the fast
+    lane runs uvloop's (what `kvtier serve` uses when installed), the full suite both."""
     if request.param == "uvloop":
         pytest.importorskip("uvloop")
     return lambda store_data_dir=None, **kwargs: secure_daemon(store_data_dir, event_loop=request.param, **kwargs)
