@@ -223,13 +223,49 @@ class RemoteTier(DaemonClient):
 
     # -- calls ------------------------------------------------------------------------------------
     def _small_call(self, ctx: Call, namespace: bytes, op: str, obj: dict, cap: int) -> dict:
-        """An idempotent call with a small reply (lookup): on an open pooled connection it
-        skips urllib3 (kvtier.tiers.transport.quick_request)."""
+        """An idempotent call with a small reply (lookup): on the daemon's lookup channel when
+        it offers one (a WebSocket: kvtier.server.channel), else over HTTP, where an open
+        pooled connection skips urllib3 (kvtier.tiers.transport.quick_request)."""
+        reply = self._channel_call(ctx, namespace, op, obj, cap)
+        if reply is not None:
+            return reply
         response = self._call(ctx, namespace, "POST", op, pack(obj), MSGPACK, quick_cap=cap)
         try:
             return unpack_map(read_capped(response, cap, ctx), op)
         except ValueError:
             raise Failed("protocol") from None
+
+    def _channel_call(self, ctx: Call, namespace: bytes, op: str, obj: dict, cap: int) -> dict | None:
+        """``op`` on the lookup channel, with the HTTP route's rules (a namespace registered
+        first when this client knows its spec, again after a 404; an error frame's status
+        counted as the HTTP status would be). ``None``: no channel now (go over HTTP)."""
+        if self._channel_path is None:
+            return None
+        if namespace in self._refused:
+            raise Failed("rejected")
+        self._ensure_session(ctx)
+        payload = pack({"op": op, "namespace": namespace_hex(namespace), **obj})
+        for attempt in range(2):
+            spec = self._specs.get(namespace)
+            if spec is not None and namespace not in self._registered:
+                self._register(ctx, namespace, spec)
+            data = self._channel_exchange(ctx, payload, cap)
+            if data is None:
+                return None
+            try:
+                reply = unpack_map(data, op)
+            except ValueError:
+                raise Failed("protocol") from None
+            if "error" not in reply:
+                return reply
+            status = reply.get("status")
+            if status == 404 and attempt == 0 and spec is not None:
+                self._forget(namespace)
+                continue
+            reason = {401: "unauthorized", 403: "unauthorized", 404: "unregistered"}.get(status, "rejected")
+            self._warn(f"HTTP {status}", "daemon %s answered %s: %s", self.url, status, str(reply["error"])[:300])
+            raise Failed(reason)
+        raise AssertionError("unreachable")
 
     def _get_part(self, namespace, hashes, outs, expected, statuses, offset) -> int:
         """One get call; fills ``statuses[offset:]``; returns the blocks read OK."""
@@ -296,9 +332,11 @@ class RemoteTier(DaemonClient):
                 self._refused.add(namespace)
         self._check_status(response, ctx)
         try:
-            limit = unpack_map(read_capped(response, SMALL_REPLY_NBYTES, ctx), "register").get("max_batch_blocks")
+            reply = unpack_map(read_capped(response, SMALL_REPLY_NBYTES, ctx), "register")
         except ValueError:
             raise Failed("protocol") from None
+        limit = reply.get("max_batch_blocks")
+        self._offer_channel(reply.get("channel"))
         with self._lock:
             self._registered.add(namespace)
             if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
