@@ -35,12 +35,14 @@ code 1009 (message too big), before it is buffered whole.
 Deadlines as for HTTP keep-alives (kvtier.server.connections): between frames the
 connection counts as idle (closed after ``idle_timeout_s`` without a complete frame, a
 frame that trickles included; the first to go when ``--max-connections`` is exceeded); a
-frame being answered has ``request_timeout_s``.
+frame being answered has ``request_timeout_s``. A channel waiting for its next frame does not
+hold the daemon's shutdown (aiohttp closes it; tests/security/test_channel.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
@@ -85,6 +87,9 @@ async def serve(request: web.Request, max_frame_nbytes: int) -> web.WebSocketRes
     caller: Caller = request[CALLER]
     own_deadline(request)  # the connection's life: bounded per frame below
     await ws.prepare(request)
+    from kvtier.server.app import allowed_namespace, checked_hashes, lookup_reply  # app imports this module
+
+    checks = (allowed_namespace, checked_hashes, lookup_reply)
     supervisor = app.get(SUPERVISOR)
     conn = supervisor.conns.get(request.protocol) if supervisor is not None else None
     request_timeout_s = app[SETTINGS].request_timeout_s
@@ -96,7 +101,7 @@ async def serve(request: web.Request, max_frame_nbytes: int) -> web.WebSocketRes
             if msg.type is WSMsgType.BINARY:
                 if conn is not None:
                     conn.task, conn.deadline = task, time.monotonic() + request_timeout_s
-                await ws.send_bytes(await answer(app, caller, msg.data))
+                await ws.send_bytes(await answer(app, caller, msg.data, checks))
                 Supervisor.end(conn)
             elif msg.type is WSMsgType.TEXT:
                 await ws.send_bytes(pack({"error": "expected binary msgpack frames", "status": 400}))
@@ -109,11 +114,11 @@ async def serve(request: web.Request, max_frame_nbytes: int) -> web.WebSocketRes
     return ws
 
 
-async def answer(app: web.Application, caller: Caller, data: bytes) -> bytes:
+async def answer(app: web.Application, caller: Caller, data: bytes, checks) -> bytes:
     """The packed reply to one request frame (module docstring); never raises but for
-    cancellation."""
-    from kvtier.server.app import allowed_namespace, checked_hashes, lookup_reply  # app imports this module
-
+    cancellation. ``checks``: kvtier.server.app's ``(allowed_namespace, checked_hashes,
+    lookup_reply)``."""
+    allowed_namespace, checked_hashes, lookup_reply = checks
     try:
         try:
             obj = unpack_map(data, "channel frame")
@@ -133,8 +138,6 @@ async def answer(app: web.Application, caller: Caller, data: bytes) -> bytes:
 
 
 def _message(exc: web.HTTPException) -> str:
-    import json
-
     try:
         return str(json.loads(exc.text or "{}").get("error", exc.reason))
     except ValueError:

@@ -334,3 +334,24 @@ def test_an_unproven_upgrade_is_refused_over_signed_sessions(secure_daemon):
         remote._session.key = good
     finally:
         remote.close()
+
+
+def test_a_daemon_with_open_channels_stops_at_once(secure_daemon):
+    """Open channels waiting for their next frame do not hold the shutdown for
+    shutdown_timeout_s: they are closed when the daemon stops."""
+    daemon = secure_daemon(shutdown_timeout_s=10.0)
+    sockets = []
+    for _ in range(3):
+        sock, status, _ = _open(daemon)
+        assert status == 101
+        sockets.append(sock)
+    start = time.monotonic()
+    daemon.stop()
+    assert time.monotonic() - start < 3.0
+    for sock in sockets:
+        sock.settimeout(5)
+        try:
+            assert sock.recv(1024) == b""
+        except ConnectionResetError:
+            pass
+        sock.close()
