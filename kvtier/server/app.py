@@ -105,7 +105,7 @@ def make_app(settings: ServeConfig) -> web.Application:
     app.router.add_post(NS + "/get", get)
     app.router.add_post(NS + "/put", put)
     app.router.add_post(NS + "/reset", reset)
-    channel.setup(app, client_max_size)
+    channel.setup(app, client_max_size, (allowed_namespace, checked_hashes, lookup_reply))
     admin.setup(app)
     _setup_observability(app)
     observe.setup(app, _use_store, app[OPENAPI_PATHS])

@@ -63,17 +63,19 @@ PROTOCOL = "kvtier.v1"
 OPS = ("lookup",)
 
 
-def setup(app: web.Application, max_frame_nbytes: int) -> None:
-    """Add ``GET /v1/channel`` (``tenant``); frames over ``max_frame_nbytes`` close the connection."""
+def setup(app: web.Application, max_frame_nbytes: int, checks: tuple) -> None:
+    """Add ``GET /v1/channel`` (``tenant``); frames over ``max_frame_nbytes`` close the
+    connection. ``checks``: the HTTP route's own ``(allowed_namespace, checked_hashes,
+    lookup_reply)`` (kvtier.server.app passes them: the channel applies exactly those)."""
 
     async def channel(request: web.Request) -> web.WebSocketResponse:
-        return await serve(request, max_frame_nbytes)
+        return await serve(request, max_frame_nbytes, checks)
 
     app.router.add_get(PATH, channel)
     app[ACCESS][("GET", PATH)] = "tenant"
 
 
-async def serve(request: web.Request, max_frame_nbytes: int) -> web.WebSocketResponse:
+async def serve(request: web.Request, max_frame_nbytes: int, checks: tuple) -> web.WebSocketResponse:
     """Upgrade ``request`` (400 when it is not a WebSocket upgrade asking for
     :data:`PROTOCOL`) and answer its frames until the client closes or a deadline passes."""
     ws = web.WebSocketResponse(protocols=(PROTOCOL,), compress=False, max_msg_size=max_frame_nbytes,
@@ -87,9 +89,6 @@ async def serve(request: web.Request, max_frame_nbytes: int) -> web.WebSocketRes
     caller: Caller = request[CALLER]
     own_deadline(request)  # the connection's life: bounded per frame below
     await ws.prepare(request)
-    from kvtier.server.app import allowed_namespace, checked_hashes, lookup_reply  # app imports this module
-
-    checks = (allowed_namespace, checked_hashes, lookup_reply)
     supervisor = app.get(SUPERVISOR)
     conn = supervisor.conns.get(request.protocol) if supervisor is not None else None
     request_timeout_s = app[SETTINGS].request_timeout_s
