@@ -696,7 +696,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
         f"daemon event loop: {daemon_loop}. ratio = daemon / Redis (for latency and CPU, < 1 favours the daemon). "
         "Goals (issue 17): batch put >= 1.5x, batch get >= 3x, lookup requests/s >= 1.0x with 1 and 32 clients, "
         "lookup p99 at 32 clients x 10/s <= 2 ms, server CPU per lookup <= 2x Redis's, mixed calls/s >= 1.2x. "
-        "Clients: RemoteTier (HTTP, msgpack) and RedisTier (redis-py pipelines); both verify every record's checksum. "
+        "Clients: RemoteTier (lookups on the daemon's WebSocket channel, one msgpack frame each way; gets and puts "
+        "over HTTP, a put's record headers computed as its blocks are sent) and RedisTier (redis-py pipelines); both "
+        "verify every record's checksum. "
         + mixed_note
     )
     print_table(title, rows, footnote=footnote)

@@ -50,7 +50,7 @@ from aiohttp import web
 
 from kvtier.checks import BatchTooLarge, CheckedHashes, checked_block_hashes, namespace_hex, parse_display_name, parse_namespace
 from kvtier.dashboard import setup_observability
-from kvtier.server import admin, frames, observe
+from kvtier.server import admin, channel, frames, observe
 from kvtier.server.auth import CALLER, AuthError, Sessions, add_proof, authenticate, hello, unauthorized
 from kvtier.server.connections import SUPERVISOR, Budget, Supervisor, own_deadline
 from kvtier.server.errors import Handler, error, error_response
@@ -105,6 +105,7 @@ def make_app(settings: ServeConfig) -> web.Application:
     app.router.add_post(NS + "/get", get)
     app.router.add_post(NS + "/put", put)
     app.router.add_post(NS + "/reset", reset)
+    channel.setup(app, client_max_size, (allowed_namespace, checked_hashes, lookup_reply))
     admin.setup(app)
     _setup_observability(app)
     observe.setup(app, _use_store, app[OPENAPI_PATHS])
@@ -199,12 +200,18 @@ def msgpack_response(obj: object, status: int = 200) -> web.Response:
 
 def _namespace(request: web.Request) -> bytes:
     """The path's namespace, if the caller's tenant may use it (400, 403)."""
+    return allowed_namespace(_caller(request), request.match_info["ns"])
+
+
+def allowed_namespace(caller: Caller, text: object) -> bytes:
+    """The namespace ``text`` names (64 lowercase hex digits), if ``caller``'s tenant may use
+    it: 400 (bad spelling), 403 (not the tenant's: token file)."""
     try:
-        namespace = parse_namespace(request.match_info["ns"])
+        namespace = parse_namespace(text)
     except ValueError as exc:
         raise error(web.HTTPBadRequest, str(exc)) from None
-    if not _caller(request).tenant.allows(namespace):
-        raise error(web.HTTPForbidden, f"tenant {_caller(request).tenant.name} may not use namespace "
+    if not caller.tenant.allows(namespace):
+        raise error(web.HTTPForbidden, f"tenant {caller.tenant.name} may not use namespace "
                                        f"{namespace_hex(namespace)} (token file)")
     return namespace
 
@@ -229,9 +236,14 @@ async def _body_map(request: web.Request, what: str) -> dict:
 async def _hashes(request: web.Request, what: str) -> CheckedHashes:
     """The body's ``block_hashes``, checked once here (the store trusts a
     :class:`~kvtier.checks.CheckedHashes`): 400 bad, 413 over ``--max-batch-blocks``."""
-    obj = await _body_map(request, what)
+    return checked_hashes(await _body_map(request, what), request.app[SETTINGS].max_batch_blocks)
+
+
+def checked_hashes(obj: dict, max_batch_blocks: int) -> CheckedHashes:
+    """``obj["block_hashes"]`` checked (:func:`kvtier.checks.checked_block_hashes`): 400 bad,
+    413 over ``max_batch_blocks``."""
     try:
-        return checked_block_hashes(obj.get("block_hashes"), request.app[SETTINGS].max_batch_blocks)
+        return checked_block_hashes(obj.get("block_hashes"), max_batch_blocks)
     except BatchTooLarge as exc:
         raise error(web.HTTPRequestEntityTooLarge, f"{exc} (--max-batch-blocks)") from None
     except ValueError as exc:
@@ -242,7 +254,7 @@ def describe(entry: Namespace, settings: ServeConfig) -> dict:
     return {
         "namespace": namespace_hex(entry.namespace), "label": entry.label, **spec_to_wire(entry.spec),
         "max_batch_blocks": settings.max_batch_blocks, "max_block_bytes": settings.max_block_bytes,
-        "durable": settings.durable,
+        "durable": settings.durable, "channel": channel.PATH,
     }
 
 
@@ -310,10 +322,17 @@ async def reset(request: web.Request) -> web.Response:
 async def lookup(request: web.Request) -> web.Response:
     """Leading blocks present, and the fastest medium holding each."""
     namespace = _namespace(request)
-    registry = request.app[REGISTRY]
     hashes = await _hashes(request, "lookup")
+    return msgpack_response(await lookup_reply(request.app, _caller(request), namespace, hashes))
+
+
+async def lookup_reply(app: web.Application, caller: Caller, namespace: bytes, hashes: CheckedHashes) -> dict:
+    """``{"num_blocks", "media"}`` of a lookup in ``caller``'s tenant's ``namespace`` (already
+    checked against the tenant: :func:`_namespace`); raises the 404 of an unknown namespace.
+    Shared by ``POST .../lookup`` and the WebSocket channel (kvtier.server.channel)."""
+    registry = app[REGISTRY]
     try:
-        async with registry.use(_caller(request).tenant.name, namespace) as entry:
+        async with registry.use(caller.tenant.name, namespace) as entry:
             # inline when the store's lock is free (microseconds: no thread hop on the hot
             # path), else on the registry's threads
             result = entry.store.lookup(hashes, blocking=False)
@@ -322,7 +341,7 @@ async def lookup(request: web.Request) -> web.Response:
     except UnknownNamespace:
         raise _unknown(namespace) from None
     # Medium is a str enum: msgpack packs each as its name, no str() per block needed
-    return msgpack_response({"num_blocks": result.num_hit_blocks, "media": result.media})
+    return {"num_blocks": result.num_hit_blocks, "media": result.media}
 
 
 async def get(request: web.Request) -> web.StreamResponse:

@@ -87,6 +87,7 @@ def _core(settings: "ServeConfig") -> dict:
     described = {"type": "object", "properties": {
         **spec["properties"], "namespace": {"type": "string"}, "max_batch_blocks": {"type": "integer"},
         "max_block_bytes": {"type": "integer"}, "durable": {"type": "boolean"}, "created": {"type": "boolean"},
+        "channel": {"type": "string", "description": "path of the WebSocket lookup channel (kvtier.server.channel)"},
         "usage": {"type": "object", "description": "per tier: blocks, used_bytes, capacity_bytes"},
     }}
     common = {

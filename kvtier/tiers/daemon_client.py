@@ -22,7 +22,9 @@ from urllib3.util.retry import Retry
 from kvtier import auth
 from kvtier.checks import check_namespace, namespace_hex, parse_tenant
 from kvtier.tiers.backoff import MAX_S, MIN_S, Backoff
-from kvtier.tiers.transport import Call, Failed, call, discard, is_timeout, make_pool, quick_request, read_capped
+from kvtier.auth import endpoint
+from kvtier.tiers.transport import (WATCHDOG, Call, Channel, ChannelClosed, Failed, _Headers, _Stale, call, discard, is_timeout,
+                                    make_pool, quick_request, read_capped)
 from kvtier.wire import unpack_map
 
 logger = logging.getLogger("kvtier.tiers.remote")
@@ -33,6 +35,9 @@ _ADMIN_TIMEOUT_S = 300.0
 """Admin calls (emptying every namespace closes and reopens every store) may take this long."""
 RESET_ONE_TIMEOUT_S = 30.0
 """Emptying one namespace (closing and reopening one store) may take this long."""
+CHANNEL_RETRY_S = 60.0
+"""After the daemon (or a proxy in front of it) refused the lookup channel's upgrade, lookups
+go over HTTP for this long before the upgrade is tried again."""
 
 
 class _Retry(Retry):
@@ -63,6 +68,13 @@ class _Session:
     def proves(self, response, counter: int | None) -> bool:
         proof = response.headers.get(auth.PROOF_HEADER, "")
         return counter is not None and auth.equal(proof, auth.response_proof(self.key, counter, response.status))
+
+
+class _Head:
+    """Status and headers of a reply (what :meth:`_Session.proves` reads)."""
+
+    def __init__(self, status: int, headers: dict[str, str]) -> None:
+        self.status, self.headers = status, _Headers(headers)
 
 
 class DaemonClient:
@@ -98,11 +110,133 @@ class DaemonClient:
         self._lock = threading.Lock()
         self._logged: set[str] = set()  # kinds of warnings already logged
         self._closed = False
+        # The lookup channel (kvtier.server.channel): its path once a registration reply named
+        # it (plain HTTP and Unix sockets only), idle channels, when HTTP is used instead until
+        self._channel_path: str | None = None
+        self._channels: list[Channel] = []
+        self._max_channels = max_connections
+        self._channel_off_until = 0.0
 
     def close(self) -> None:
         """Release the pooled connections; later calls are misses. Idempotent."""
         self._closed = True
         self._pool.close()
+        with self._lock:
+            channels, self._channels = self._channels, []
+        for channel in channels:
+            channel.close()
+
+    # -- the lookup channel -----------------------------------------------------------------------
+    def _offer_channel(self, path: object) -> None:
+        """A registration reply's ``channel`` path: lookups use it from now on (over plain
+        HTTP and Unix sockets; https stays on HTTP)."""
+        if (isinstance(path, str) and path.startswith("/v1/") and path.isascii() and path.isprintable()
+                and " " not in path and self._quick_host is not None):
+            self._channel_path = self._root + path
+
+    def _channel_exchange(self, ctx: Call, payload: bytes, cap: int) -> bytes | None:
+        """One request message and its reply on the lookup channel (a pooled WebSocket, or a
+        new one), bounded by the call's deadline (the watchdog). ``None``: the channel is not
+        available (no daemon offered it, the daemon or a proxy refused the upgrade: HTTP for
+        :data:`CHANNEL_RETRY_S`, a session to renew): the caller goes over HTTP. Raises
+        :class:`Failed` like an HTTP exchange (``skipped``, ``timeout``, ``unavailable``,
+        ``unauthorized``, ``unproven``, ``protocol``)."""
+        if self._closed:
+            raise Failed("unavailable")
+        if self._channel_path is None or time.monotonic() < self._channel_off_until:
+            return None
+        if self.backoff.paused():
+            raise Failed("skipped")
+        for attempt in range(2):
+            with self._lock:
+                channel = self._channels.pop() if self._channels else None
+            if channel is None:
+                channel = self._open_channel(ctx)
+                if channel is None:
+                    return None
+            try:
+                ctx.tokens.append(WATCHDOG.arm(channel.sock, ctx.deadline))
+                data = channel.exchange(payload, cap)
+            except _Stale:  # a channel the daemon closed (idle, restarted): the others are too
+                channel.close()
+                self._drop_channels()
+                if attempt == 0 and not ctx.expired():
+                    continue
+                self._down("channel closed")
+                raise Failed("timeout" if ctx.expired() else "unavailable") from None
+            except ValueError:
+                channel.close()
+                raise Failed("protocol") from None
+            except (OSError, ChannelClosed) as exc:
+                channel.close()
+                if isinstance(exc, ChannelClosed) and exc.code == 1009:
+                    raise Failed("rejected") from None  # a frame over the daemon's cap
+                self._down(exc)
+                raise Failed("timeout" if ctx.expired() or isinstance(exc, TimeoutError) else "unavailable") from None
+            with self._lock:
+                if len(self._channels) < self._max_channels and not self._closed:
+                    self._channels.append(channel)
+                    channel = None
+            if channel is not None:
+                channel.close()
+            self._up()
+            return data
+        raise AssertionError("unreachable")
+
+    def _drop_channels(self) -> None:
+        with self._lock:
+            channels, self._channels = self._channels, []
+        for channel in channels:
+            channel.close()
+
+    def _open_channel(self, ctx: Call) -> Channel | None:
+        """A new channel: connect (as the pool's connections do), upgrade with this client's
+        credentials (Bearer, or signed for the socket's peer with the 101 proven: kvtier.auth).
+        ``None`` when the upgrade is refused. Raises :class:`Failed`."""
+        assert self._channel_path is not None and self._quick_host is not None
+        conn = self._pool._new_conn()
+        try:
+            conn.connect()
+        except (OSError, HTTPError) as exc:
+            conn.close()
+            self._down(exc)
+            raise Failed("timeout" if is_timeout(exc) or ctx.expired() else "unavailable") from None
+        sock = conn.sock
+        ctx.tokens.append(WATCHDOG.arm(sock, ctx.deadline))
+        headers, counter = dict(self._headers), None
+        try:
+            if self._session is not None:
+                headers["Authorization"], counter = self._session.sign("GET", self._channel_path,
+                                                                       endpoint(sock.getpeername()))
+            status, reply, rest = Channel.handshake(sock, self._quick_host, self._channel_path, headers)
+        except (_Stale, OSError, ValueError) as exc:
+            conn.close()
+            if isinstance(exc, ValueError):
+                raise Failed("protocol") from None
+            self._down(exc)
+            raise Failed("timeout" if ctx.expired() else "unavailable") from None
+        head = _Head(status, reply)
+        if status == 401 and self._session is not None and 'error="renew"' in reply.get("www-authenticate", ""):
+            conn.close()
+            with self._session.lock:
+                self._session.sid = None  # the HTTP call that follows says hello again
+            return None
+        if status in (101, 401) and self._session is not None and not self._session.proves(head, counter):
+            conn.close()  # as on HTTP: a reply without the proof is refused, whatever it says
+            self._warn("unproven", "daemon %s did not prove it holds the token (is another process "
+                       "listening on its port?): its replies are refused", self.url)
+            self._down("no proof of the token")
+            raise Failed("unproven")
+        if status == 401:
+            conn.close()
+            raise Failed("unauthorized")
+        if status != 101:  # an older daemon, a proxy that does not pass upgrades: HTTP for a while
+            conn.close()
+            self._warn("channel refused", "daemon %s refused the lookup channel's upgrade (HTTP %d): lookups go "
+                       "over HTTP", self.url, status)
+            self._channel_off_until = time.monotonic() + CHANNEL_RETRY_S
+            return None
+        return Channel(sock, conn, rest)
 
     # -- admin (raise: these are commands, not cache traffic) ----------------------------------
     def namespaces(self) -> list[dict]:

@@ -59,7 +59,7 @@ from kvtier.tiers.backoff import MAX_S, MIN_S
 from kvtier.tiers.daemon_client import RESET_ONE_TIMEOUT_S, SMALL_REPLY_NBYTES, DaemonClient
 from kvtier.tiers.transport import Call, Failed, Reader, call, discard, read_capped
 from kvtier.types import DTYPE_NAMES, NO_FINGERPRINT, BlockHash, KVSpec
-from kvtier.wire import END, FRAMES, MSGPACK, block_bytes, frame_prefix, pack, spec_to_wire, unpack_map
+from kvtier.wire import END, FRAMES, MSGPACK, block_bytes, frame_nbytes, frame_prefix, pack, spec_to_wire, unpack_map
 
 logger = logging.getLogger(__name__)
 
@@ -223,13 +223,49 @@ class RemoteTier(DaemonClient):
 
     # -- calls ------------------------------------------------------------------------------------
     def _small_call(self, ctx: Call, namespace: bytes, op: str, obj: dict, cap: int) -> dict:
-        """An idempotent call with a small reply (lookup): on an open pooled connection it
-        skips urllib3 (kvtier.tiers.transport.quick_request)."""
+        """An idempotent call with a small reply (lookup): on the daemon's lookup channel when
+        it offers one (a WebSocket: kvtier.server.channel), else over HTTP, where an open
+        pooled connection skips urllib3 (kvtier.tiers.transport.quick_request)."""
+        reply = self._channel_call(ctx, namespace, op, obj, cap)
+        if reply is not None:
+            return reply
         response = self._call(ctx, namespace, "POST", op, pack(obj), MSGPACK, quick_cap=cap)
         try:
             return unpack_map(read_capped(response, cap, ctx), op)
         except ValueError:
             raise Failed("protocol") from None
+
+    def _channel_call(self, ctx: Call, namespace: bytes, op: str, obj: dict, cap: int) -> dict | None:
+        """``op`` on the lookup channel, with the HTTP route's rules (a namespace registered
+        first when this client knows its spec, again after a 404; an error frame's status
+        counted as the HTTP status would be). ``None``: no channel now (go over HTTP)."""
+        if self._channel_path is None:
+            return None
+        if namespace in self._refused:
+            raise Failed("rejected")
+        self._ensure_session(ctx)
+        payload = pack({"op": op, "namespace": namespace_hex(namespace), **obj})
+        for attempt in range(2):
+            spec = self._specs.get(namespace)
+            if spec is not None and namespace not in self._registered:
+                self._register(ctx, namespace, spec)
+            data = self._channel_exchange(ctx, payload, cap)
+            if data is None:
+                return None
+            try:
+                reply = unpack_map(data, op)
+            except ValueError:
+                raise Failed("protocol") from None
+            if "error" not in reply:
+                return reply
+            status = reply.get("status")
+            if status == 404 and attempt == 0 and spec is not None:
+                self._forget(namespace)
+                continue
+            reason = {401: "unauthorized", 403: "unauthorized", 404: "unregistered"}.get(status, "rejected")
+            self._warn(f"HTTP {status}", "daemon %s answered %s: %s", self.url, status, str(reply["error"])[:300])
+            raise Failed(reason)
+        raise AssertionError("unreachable")
 
     def _get_part(self, namespace, hashes, outs, expected, statuses, offset) -> int:
         """One get call; fills ``statuses[offset:]``; returns the blocks read OK."""
@@ -268,13 +304,8 @@ class RemoteTier(DaemonClient):
     def _put_part(
         self, namespace: bytes, hashes: list[BlockHash], blocks: Sequence[torch.Tensor], fingerprints: list[bytes]
     ) -> list[bool]:
-        pieces: list[Any] = []
-        for h, block, fingerprint in zip(hashes, blocks, fingerprints):
-            pieces.append(frame_prefix(h) + encode_header(namespace, block, 0, fingerprint))
-            pieces.append(block_bytes(block))
-        pieces.append(END)
-        body = _coalesce(pieces)
-        nbytes = sum(len(p) for p in body)
+        body = _PutBody(namespace, hashes, blocks, fingerprints)
+        nbytes = body.nbytes
         with call(self.timeout_s + nbytes / _MIN_RATE_BYTES_PER_S) as ctx:
             response = self._call(ctx, namespace, "POST", "put", body, FRAMES, headers={"Content-Length": str(nbytes)})
             try:
@@ -296,9 +327,11 @@ class RemoteTier(DaemonClient):
                 self._refused.add(namespace)
         self._check_status(response, ctx)
         try:
-            limit = unpack_map(read_capped(response, SMALL_REPLY_NBYTES, ctx), "register").get("max_batch_blocks")
+            reply = unpack_map(read_capped(response, SMALL_REPLY_NBYTES, ctx), "register")
         except ValueError:
             raise Failed("protocol") from None
+        limit = reply.get("max_batch_blocks")
+        self._offer_channel(reply.get("channel"))
         with self._lock:
             self._registered.add(namespace)
             if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
@@ -377,23 +410,44 @@ def _read_frame(
     return check_record(record, digest.intdigest(), fingerprint)
 
 
-def _coalesce(pieces: list) -> list:
+class _PutBody:
+    """The frames of a put, made as they are sent: each block's record header (its xxh3 over
+    the payload) is computed just before the block goes out, so the client hashes block
+    ``i + 1`` while the daemon receives and verifies block ``i`` (computing every header before
+    the first byte left kept the daemon idle for a sixteenth of each 16-block put: issue 17,
+    bench/results/2026-12-02-daemon-3). Re-iterable: urllib3 sends it again on a retry.
+    ``nbytes``: the body's length (its ``Content-Length``)."""
+
+    def __init__(self, namespace: bytes, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor],
+                 fingerprints: Sequence[bytes]) -> None:
+        self.namespace, self.hashes, self.blocks, self.fingerprints = namespace, hashes, blocks, fingerprints
+        self.nbytes = sum(frame_nbytes(h, b.numel() * b.element_size()) for h, b in zip(hashes, blocks)) + len(END)
+
+    def __iter__(self):
+        return _coalesce(self._pieces())
+
+    def _pieces(self):
+        for h, block, fingerprint in zip(self.hashes, self.blocks, self.fingerprints):
+            yield frame_prefix(h) + encode_header(self.namespace, block, 0, fingerprint)
+            yield block_bytes(block)
+        yield END
+
+
+def _coalesce(pieces):
     """Join runs of small pieces (headers, small blocks) into one bytes each."""
-    out: list = []
     run: list = []
     run_nbytes = 0
     for piece in pieces:
         if len(piece) >= _COALESCE_NBYTES:
             if run:
-                out.append(b"".join(run))
+                yield b"".join(run)
                 run, run_nbytes = [], 0
-            out.append(piece)
+            yield piece
         else:
             run.append(piece)
             run_nbytes += len(piece)
             if run_nbytes >= 1 << 20:
-                out.append(b"".join(run))
+                yield b"".join(run)
                 run, run_nbytes = [], 0
     if run:
-        out.append(b"".join(run))
-    return out
+        yield b"".join(run)

@@ -17,7 +17,10 @@ socket the request actually goes out on, known only once connected, so it is mad
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import http.client
+import os
 import socket
 import threading
 import time
@@ -336,7 +339,7 @@ class _Stale(Exception):
     """The connection was closed or reset before any byte of the reply came."""
 
 
-def _read_head(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+def _read_head(sock: socket.socket, upgrade: bool = False) -> tuple[int, dict[str, str], bytes]:
     """``(status, headers by lowercase name, bytes read past them)``; raises :class:`_Stale`,
     ``ValueError`` (not HTTP/1.x, headers too long), ``OSError``."""
     buf = b""
@@ -370,7 +373,7 @@ def _read_head(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
         if not colon or not name or name != name.strip():
             raise ValueError(f"bad header line {line[:80]!r}")
         headers.setdefault(name.lower(), value.strip())
-    if "transfer-encoding" in headers:
+    if "transfer-encoding" in headers and not upgrade:
         raise ValueError("a chunked reply to a small call")
     return int(code), headers, rest
 
@@ -480,3 +483,141 @@ def discard(response, drop: bool = False) -> None:
         response.release_conn()
     except (OSError, HTTPError, http.client.HTTPException, ValueError):
         pass
+
+
+# -- the lookup channel (WebSocket, RFC 6455) ----------------------------------------------------
+CHANNEL_PROTOCOL = "kvtier.v1"
+"""The subprotocol of the daemon's lookup channel (kvtier.server.channel)."""
+_WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+_BINARY, _CLOSE, _PING, _PONG = 0x2, 0x8, 0x9, 0xA
+
+
+class ChannelClosed(Exception):
+    """The daemon closed the channel (a close frame): ``code`` (1009: a frame over its cap)."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(f"channel closed ({code}): {reason}")
+        self.code = code
+
+
+class Channel:
+    """A client WebSocket on a connected socket (RFC 6455), for the daemon's lookup channel:
+    one binary message each way per :meth:`exchange`. Written here, not with a WebSocket
+    library, for the same reason as :func:`quick_request`: a lookup's whole client cost is a
+    few microseconds of framing, and the calls are synchronous on the store's threads.
+
+    Client frames are masked with a fresh random key each (RFC 6455 5.3); server frames must
+    not be (a masked one is a protocol error), nor fragmented (aiohttp sends each message as
+    one frame), nor carry RSV bits (no extension was agreed). Pings are answered."""
+
+    def __init__(self, sock: socket.socket, conn: Any = None, buffered: bytes = b"") -> None:
+        self.sock, self._conn = sock, conn
+        self._buf = bytearray(buffered)
+
+    @classmethod
+    def handshake(cls, sock: socket.socket, host_header: str, path: str,
+                  headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+        """Send the upgrade request and read the reply's head: ``(status, headers, bytes after
+        them)``. Status 101 is checked (``Upgrade``, ``Sec-WebSocket-Accept`` for our key, the
+        subprotocol): ``ValueError`` when it is not a WebSocket reply to this request. Raises
+        :class:`_Stale`, ``OSError``, ``ValueError`` (not HTTP)."""
+        key = base64.b64encode(os.urandom(16))
+        lines = [f"GET {path} HTTP/1.1", f"Host: {host_header}", "Upgrade: websocket", "Connection: Upgrade",
+                 f"Sec-WebSocket-Key: {key.decode()}", "Sec-WebSocket-Version: 13",
+                 f"Sec-WebSocket-Protocol: {CHANNEL_PROTOCOL}", "Content-Length: 0"]
+        lines += [f"{k}: {v}" for k, v in headers.items()]
+        try:
+            sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        except (BrokenPipeError, ConnectionResetError):
+            raise _Stale from None
+        status, reply, rest = _read_head(sock, upgrade=True)
+        if status == 101:
+            accept = base64.b64encode(hashlib.sha1(key + _WS_GUID).digest()).decode()
+            if (reply.get("upgrade", "").lower() != "websocket" or reply.get("sec-websocket-accept") != accept
+                    or reply.get("sec-websocket-protocol") != CHANNEL_PROTOCOL
+                    or reply.get("sec-websocket-extensions")):
+                raise ValueError("a 101 reply that is not the WebSocket this client asked for")
+        return status, reply, rest
+
+    def exchange(self, payload: bytes, cap: int) -> bytes:
+        """Send ``payload`` as one binary message, return the reply message (at most ``cap``
+        bytes). Raises :class:`_Stale` (closed before any byte of the reply),
+        :class:`ChannelClosed`, ``OSError``, ``ValueError`` (a protocol error, a reply over
+        ``cap``)."""
+        try:
+            self.sock.sendall(_client_frame(_BINARY, payload))
+        except (BrokenPipeError, ConnectionResetError):
+            raise _Stale from None
+        first = True
+        while True:
+            opcode, data = self._read_frame(cap, first)
+            first = False
+            if opcode == _BINARY:
+                return data
+            if opcode == _PING:
+                self.sock.sendall(_client_frame(_PONG, data))
+            elif opcode == _CLOSE:
+                code = int.from_bytes(data[:2], "big") if len(data) >= 2 else 1005
+                raise ChannelClosed(code, data[2:].decode("utf-8", "replace"))
+            elif opcode != _PONG:
+                raise ValueError(f"unexpected WebSocket opcode {opcode}")
+
+    def close(self) -> None:
+        """A close frame (best effort), then the socket."""
+        try:
+            self.sock.sendall(_client_frame(_CLOSE, (1000).to_bytes(2, "big")))
+        except OSError:
+            pass
+        if self._conn is not None:
+            self._conn.close()
+        else:
+            self.sock.close()
+
+    def _read_frame(self, cap: int, first: bool) -> tuple[int, bytes]:
+        head = self._read(2, first)
+        b0, b1 = head[0], head[1]
+        if b0 & 0x70 or not b0 & 0x80 or b1 & 0x80:
+            raise ValueError("a fragmented, masked or extended WebSocket frame from the daemon")
+        opcode, n = b0 & 0x0F, b1 & 0x7F
+        if n == 126:
+            n = int.from_bytes(self._read(2), "big")
+        elif n == 127:
+            n = int.from_bytes(self._read(8), "big")
+        if n > cap or (opcode >= 0x8 and n > 125):
+            raise ValueError(f"a WebSocket frame of {n} bytes (at most {cap} expected)")
+        return opcode, self._read(n)
+
+    def _read(self, n: int, first: bool = False) -> bytes:
+        buf = self._buf
+        while len(buf) < n:
+            try:
+                data = self.sock.recv(max(65536, n - len(buf)))
+            except (ConnectionResetError, BrokenPipeError):
+                if first and not buf:
+                    raise _Stale from None
+                raise
+            if not data:
+                if first and not buf:
+                    raise _Stale
+                raise ConnectionResetError("the channel ended inside a frame")
+            buf += data
+        out = bytes(buf[:n])
+        del buf[:n]
+        return out
+
+
+def _client_frame(opcode: int, payload: bytes) -> bytes:
+    """One final client frame: masked with a fresh random key (RFC 6455 5.2, 5.3)."""
+    n = len(payload)
+    if n < 126:
+        head = bytes((0x80 | opcode, 0x80 | n))
+    elif n < 1 << 16:
+        head = bytes((0x80 | opcode, 0x80 | 126)) + n.to_bytes(2, "big")
+    else:
+        head = bytes((0x80 | opcode, 0x80 | 127)) + n.to_bytes(8, "big")
+    key = os.urandom(4)
+    if not n:
+        return head + key
+    # XOR as one big integer: the key repeated over the payload (a few us for a lookup)
+    mask = int.from_bytes((key * (n // 4 + 1))[:n], "little")
+    return head + key + (int.from_bytes(payload, "little") ^ mask).to_bytes(n, "little")

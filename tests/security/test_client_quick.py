@@ -168,7 +168,10 @@ def test_quick_lookups_are_signed_and_proven_over_http_and_bearer_over_unix(secu
             assert a.lookup(NS, hs) == 3
             assert b.lookup(NS, hs) == 0
         assert not a.errors and not b.errors, (dict(a.errors), dict(b.errors))
+        assert a._channels, "lookups went over the daemon's channel (kvtier.server.channel)"
         a._session.key = b"\0" * 32  # a wrong session key: the request is refused, no proof matches
+        assert a.lookup(NS, hs) == 3  # an open channel was authenticated once, at its upgrade
+        a._drop_channels()  # a new channel's upgrade is signed with the wrong key: refused, unproven
         assert a.lookup(NS, hs) == 0 and a.errors["unproven"] == 1
         over_unix = RemoteTier(daemon.unix_url, token=TOKEN_A, timeout_s=5.0)
         try:
