@@ -47,6 +47,7 @@ def run_engine(job: dict) -> dict:
         config = StoreConfig(
             gpu_bytes="64MiB", cpu_bytes="64MiB", disk_bytes="256MiB", data_dir=job["data_dir"],
             remote_url=job["remote_url"], remote_token=job.get("remote_token"),
+            remote_timeout_s=job.get("remote_timeout_s", 2.0),
         )
         kv = HFConnector.from_model(model, config, model_id=model_id)
     messages, turns = list(job["messages"]), []
@@ -74,8 +75,9 @@ def run_engine(job: dict) -> dict:
     finally:
         if kv is not None:
             kv.store.wait_for_writes()  # A's puts reach REMOTE before it reports done
+            remote_errors = dict(kv.store.remote.errors) if kv.store.remote is not None else {}
             kv.close()
-    return {"messages": messages, "turns": turns}
+    return {"messages": messages, "turns": turns, "remote_errors": remote_errors if kv is not None else {}}
 
 
 def spawn_engine(job: dict, workdir: Path, name: str) -> dict:
@@ -91,11 +93,13 @@ def spawn_engine(job: dict, workdir: Path, name: str) -> dict:
 
 
 def share(remote_url: str, model: str, workdir: Path, first_turns: int = 3, max_new_tokens: int = 16,
-          remote_token: str | None = None, cold_in_process: bool = False) -> dict:
+          remote_token: str | None = None, cold_in_process: bool = False, remote_timeout_s: float = 2.0) -> dict:
     """A serves ``first_turns`` turns; B (fresh process and data dir) serves the next one;
     a cold engine (without kvtier; in this process when ``cold_in_process``) serves the same
-    turn. Returns all three results."""
-    base = {"model": model, "max_new_tokens": max_new_tokens, "remote_token": remote_token}
+    turn. Returns all three results (each engine's REMOTE errors by reason under
+    ``"remote_errors"``)."""
+    base = {"model": model, "max_new_tokens": max_new_tokens, "remote_token": remote_token,
+            "remote_timeout_s": remote_timeout_s}
     a = spawn_engine({**base, "remote_url": remote_url, "data_dir": str(workdir / "a"), "messages": [],
                       "questions": QUESTIONS[:first_turns]}, workdir, "a")
     next_turn = {**base, "messages": a["messages"], "questions": QUESTIONS[first_turns : first_turns + 1]}

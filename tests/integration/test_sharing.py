@@ -28,9 +28,17 @@ def _check(result: dict) -> None:
     # B never computed anything, so every cached token came from REMOTE: the history A
     # stored (all full blocks of the prompt but the last token's block) is found there
     assert set(first_b["cached_by_tier"]) == {"REMOTE"}
-    assert first_b["cached_tokens"] >= (first_b["prompt_tokens"] - 1) // 16 * 16 - 16 * 2
+    # (a REMOTE call over its deadline is a miss by design: the message names the reasons)
+    assert first_b["cached_tokens"] >= (first_b["prompt_tokens"] - 1) // 16 * 16 - 16 * 2, (
+        f"A's REMOTE errors {result['a']['remote_errors']}, B's {result['b']['remote_errors']}")
     assert first_b["output_ids"] == cold[0]["output_ids"]
     assert cold[0]["cached_tokens"] == 0
+
+
+# The engines' REMOTE deadline, generous: on a loaded 2-core host (two suites at once) a put
+# past the 2 s default is skipped by design and B then finds fewer blocks; this test is about
+# sharing, tests/security and tests/reliability cover the deadlines.
+SLOW_HOST = {"remote_timeout_s": 30.0}
 
 
 def test_two_engines_share_through_the_daemon(tmp_path):
@@ -38,7 +46,7 @@ def test_two_engines_share_through_the_daemon(tmp_path):
 
     daemon = Subprocess(tmp_path / "daemon", "--cpu-bytes", "64MiB", "--disk-bytes", "256MiB").start()
     try:
-        _check(shared_engines.share(daemon.url, "tiny-llama", tmp_path, cold_in_process=True))
+        _check(shared_engines.share(daemon.url, "tiny-llama", tmp_path, cold_in_process=True, **SLOW_HOST))
     finally:
         daemon.kill()
 
@@ -49,6 +57,6 @@ def test_two_engines_share_through_redis(tmp_path):
 
     server = RedisServer(tmp_path / "redis").start()
     try:
-        _check(shared_engines.share(server.url, "tiny-llama", tmp_path, cold_in_process=True))
+        _check(shared_engines.share(server.url, "tiny-llama", tmp_path, cold_in_process=True, **SLOW_HOST))
     finally:
         server.kill()
