@@ -358,6 +358,26 @@ def gather_into(spec: KVSpec, pool: torch.Tensor, out: torch.Tensor, block_ids: 
         blocks[:, :, :, index : index + length].copy_(pool[slot : slot + length].permute(order))
 
 
+def block_views(spec: KVSpec, out: torch.Tensor) -> list[torch.Tensor]:
+    """Each block's place in ``out`` as a tensor of ``spec.block_shape`` (views, no copy):
+    the destinations :func:`gather_into` writes, for a DISK read to write itself
+    (``TieredStore.prefetch(sinks=...)``).
+
+    Args:
+        spec: a uniform spec.
+        out: ``[num_layers, 2, num_kv_heads, n * block_size, head_dim]`` contiguous.
+
+    Returns:
+        ``n`` views, block ``i`` = tokens ``i * block_size ..`` of every layer, K and V:
+        ``[num_layers, 2, num_kv_heads, block_size, head_dim]`` head-major, else
+        ``[num_layers, 2, block_size, num_kv_heads, head_dim]``.
+    """
+    layers, _, heads, tokens, dim = out.shape
+    blocks = out.view(layers, 2, heads, tokens // spec.block_size, spec.block_size, dim)
+    order = (3, 0, 1, 2, 4, 5) if spec.head_major else (3, 0, 1, 4, 2, 5)
+    return list(blocks.permute(order).unbind(0))
+
+
 def cache_from_layers(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> Any:
     """A :func:`new_cache` whose layer ``i`` holds ``keys[i]`` / ``values[i]`` themselves
     (``[1, num_kv_heads, seq_len, head_dim]`` each, the same ``seq_len`` in every layer).
