@@ -462,8 +462,8 @@ class HFConnector:
                     indices = [i for i in indices if i not in sunk]
                 if indices:
                     gather_into(spec, pool, kv, [block_ids[i] for i in indices], indices)
-            keys = [kv[layer, 0].unsqueeze(0) for layer in range(spec.num_layers)]
-            values = [kv[layer, 1].unsqueeze(0) for layer in range(spec.num_layers)]
+            per_layer = kv.unsqueeze(2)  # [L, 2, 1, H, T, D]: each layer's K and V, [1, H, T, D] views
+            keys, values = list(per_layer[:, 0].unbind(0)), list(per_layer[:, 1].unbind(0))
         elif handle.num_blocks:
             gather = LayerGather(spec, pool, handle.block_ids)
             keys, values = new_layer_tensors(spec, handle.num_blocks * self.block_size, pool.device)
@@ -490,9 +490,10 @@ class HFConnector:
             keys = [k[:, :, :num_cached].contiguous() for k in keys]
             values = [v[:, :, :num_cached].contiguous() for v in values]
         device = self.model.device
-        cache = cache_from_layers(
-            [k.to(device, non_blocking=True) for k in keys], [v.to(device, non_blocking=True) for v in values]
-        ) if num_cached else new_cache()
+        if num_cached and keys[0].device != device:
+            keys = [k.to(device, non_blocking=True) for k in keys]
+            values = [v.to(device, non_blocking=True) for v in values]
+        cache = cache_from_layers(keys, values) if num_cached else new_cache()
         media_inputs = media.inputs_after(num_cached) if media is not None else {}
         sources = all_sources[:num_blocks]
         return PrefillPlan(num_cached, cache, block_hashes, sources, self._cache_kwarg, media_inputs)
