@@ -19,6 +19,13 @@ this request's prefill; ``before_prefill`` then only waits for what is still in 
 gather into the cache is done layer by layer with ``handle.wait_layer(i)``, so on CUDA layer i
 is gathered as soon as its own copy landed.
 
+On a host-memory top pool (no CUDA) the hit's K/V go to the model as views of one kept host
+buffer (:class:`~kvtier.connectors.hf_cache.HostHitBuffer`). Blocks in the top pool are
+gathered into it; blocks on DISK are read straight into it by the I/O threads, each
+verified as it is copied (a block that fails ends the prefix), and then read again into
+their top-pool slots off the hit's path: that load is published (resident in the top pool,
+counted, LRU, events) by the connector's next hook or :meth:`HFConnector.finish_loads`.
+
 ``after_request`` stores every full block of ``prompt + output`` whose K/V the cache holds
 (the last generated token has none: it was sampled, never fed back).
 
