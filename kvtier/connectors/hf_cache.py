@@ -350,8 +350,9 @@ def gather_into(spec: KVSpec, pool: torch.Tensor, out: torch.Tensor, block_ids: 
     in ``out``, on byte views (any dtype, bfloat16 included): 0.84-1.16x the time of one
     ``Tensor.copy_`` of the same bytes between contiguous tensors for 1-4k tokens of
     SmolLM2-135M, vs 0.96-1.70x for one ``copy_`` of the whole permuted run and
-    1.12-1.90x for one numpy ``copyto`` of it (same run, /tmp micro-benchmark of
-    bench/results/2026-12-02-hit-3); a block's copy costs a few microseconds of Python.
+    1.12-1.90x for one numpy ``copyto`` of it (same run:
+    bench/results/2026-12-02-hit-3/micro/gather.py); a block's copy costs a few microseconds
+    of Python.
 
     Args:
         spec: a uniform spec: ``pool`` is ``[num_blocks, *spec.block_shape]``.
