@@ -19,6 +19,13 @@ this request's prefill; ``before_prefill`` then only waits for what is still in 
 gather into the cache is done layer by layer with ``handle.wait_layer(i)``, so on CUDA layer i
 is gathered as soon as its own copy landed.
 
+On a host-memory top pool (no CUDA) the hit's K/V go to the model as views of one kept host
+buffer (:class:`~kvtier.connectors.hf_cache.HostHitBuffer`). Blocks in the top pool are
+gathered into it; blocks on DISK are read straight into it by the I/O threads, each
+verified as it is copied (a block that fails ends the prefix), and then read again into
+their top-pool slots off the hit's path: that load is published (resident in the top pool,
+counted, LRU, events) by the connector's next hook or :meth:`HFConnector.finish_loads`.
+
 ``after_request`` stores every full block of ``prompt + output`` whose K/V the cache holds
 (the last generated token has none: it was sampled, never fed back).
 
@@ -51,8 +58,10 @@ Works with transformers 4.56+ and 5.x.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Sequence
 
 import numpy as np
@@ -63,6 +72,7 @@ from kvtier.connectors.hf_cache import (
     HostHitBuffer,
     LayerGather,
     UnsupportedModelError,
+    block_views,
     cache_from_layers,
     cache_kwarg,
     cache_layers,
@@ -130,6 +140,9 @@ class PrefetchTicket:
     """The prompt's token fingerprints: a ticket serves only a prompt of the same tokens (a
     prompt whose hashes collide with it gets a prefetch of its own)."""
     media: PromptMedia | None = None
+    buffer: torch.Tensor | None = None
+    """The hit buffer the DISK reads also write into (``handle.sunk`` says which blocks), or
+    ``None``."""
 
     def cancel(self) -> None:
         """Give the pins back (the request went away)."""
@@ -236,6 +249,8 @@ class HFConnector:
         self._timer = ForwardTimer(model)
         self._hit_buffer = HostHitBuffer(spec, hit_buffer_bytes) if spec.is_uniform else None
         self._pending: tuple[int, int, float] | None = None  # (computed, cached tokens, load s) of the last prefill
+        self._unpublished: list[PrefetchHandle] = []  # hits served from the hit buffer, not yet published
+        self._unpublished_lock = threading.Lock()
         self.last_prefill: dict[str, float] | None = None
         """The last counted prefill: ``computed_tokens``, ``cached_tokens``, ``load_s``,
         ``prefill_s``, ``saved_s``, ``lost_s`` (for logs and tests)."""
@@ -316,25 +331,45 @@ class HFConnector:
     def prefetch(self, input_ids: torch.Tensor | Sequence[int], media: Any = None) -> PrefetchTicket:
         """Start loading the prompt's cached prefix now; pass the ticket to
         :meth:`before_prefill`. Raises ``ValueError`` like :meth:`before_prefill`."""
+        self.finish_loads()
         tokens = _prompt_tokens(input_ids)
         prompt_media = self.prompt_media(media, tokens)
         return self._prefetch(tokens, prompt_media, *self._keys(tokens, prompt_media))
 
     def _prefetch(
         self, tokens: list[int], prompt_media: PromptMedia | None, block_hashes: list[BlockHash],
-        fingerprints: list[bytes],
+        fingerprints: list[bytes], into_buffer: bool = False,
     ) -> PrefetchTicket:
-        """:meth:`prefetch` of a prompt whose keys are already computed."""
+        """:meth:`prefetch` of a prompt whose keys are already computed. ``into_buffer``: the
+        blocks read from DISK are also written straight into the kept hit buffer
+        (:meth:`_sinks`; ``ticket.buffer``), so that they need no gather from the pool."""
         max_blocks = (len(tokens) - 1) // self.block_size  # leave >= 1 token to prefill
         if prompt_media is not None:
             max_blocks = prompt_media.cut(max_blocks, self.block_size)
         prompt = self._prompt_info(tokens, prompt_media)
-        handle = self.store.prefetch(block_hashes[:max_blocks], prompt=prompt, fingerprints=fingerprints[:max_blocks])
-        return PrefetchTicket(block_hashes, handle, fingerprints=fingerprints, media=prompt_media)
+        taken: list[torch.Tensor] = []
+        sinks = partial(self._sinks, taken) if into_buffer and self._hit_buffer is not None else None
+        handle = self.store.prefetch(block_hashes[:max_blocks], prompt=prompt, fingerprints=fingerprints[:max_blocks],
+                                     sinks=sinks)
+        return PrefetchTicket(block_hashes, handle, fingerprints=fingerprints, media=prompt_media,
+                              buffer=taken[0] if taken else None)
+
+    def _sinks(self, taken: list[torch.Tensor], num_blocks: int) -> list[torch.Tensor] | None:
+        """Block ``i``'s place in the hit buffer (``[num_layers, 2, num_kv_heads, num_tokens,
+        head_dim]``, :meth:`HostHitBuffer.take`) as a tensor of the spec's block shape, one per
+        block; the buffer goes to ``taken``. ``None`` when the buffer is not free (the store
+        calls this under its lock, with the number of blocks it planned)."""
+        spec, size = self.store.spec, self.block_size
+        kv = self._hit_buffer.take(num_blocks * size)
+        if kv is None:
+            return None
+        taken.append(kv)
+        return block_views(spec, kv)
 
     def explain(self, input_ids: torch.Tensor | Sequence[int], *, media: Any = None) -> Explanation:
         """Where each block of the prompt would hit now and why the rest would miss (counts
         nothing, loads nothing; kvtier.store.misses). ``media``: as for :meth:`prefetch`."""
+        self.finish_loads()
         tokens = _prompt_tokens(input_ids)
         prompt_media = self.prompt_media(media, tokens)
         max_blocks = (len(tokens) - 1) // self.block_size
@@ -368,6 +403,7 @@ class HFConnector:
             ValueError: batch size other than 1, an empty prompt.
         """
         started = time.perf_counter()
+        self.finish_loads()
         self._count_prefill()  # the previous request's, if after_request was not called
         tokens = _prompt_tokens(input_ids)
         prompt_media = self.prompt_media(media, tokens)
@@ -376,7 +412,7 @@ class HFConnector:
             if ticket is not None and not ticket.used:
                 ticket.cancel()  # for another prompt
             # a ticket serves one prefill (its lease is gone after); the keys are hashed once
-            ticket = self._prefetch(tokens, prompt_media, block_hashes, fingerprints)
+            ticket = self._prefetch(tokens, prompt_media, block_hashes, fingerprints, into_buffer=True)
         ticket.used = True
         with torch.no_grad():
             plan = self._load_into_cache(ticket, block_hashes)
@@ -384,6 +420,17 @@ class HFConnector:
         self._pending = (len(tokens) - num_cached, num_cached, time.perf_counter() - started)
         self._timer.arm()  # the model's next forward is this prompt's prefill
         return plan
+
+    def finish_loads(self) -> None:
+        """Publish the blocks of the last hits that were read from DISK straight into the hit
+        buffer: wait for their copies into the top pool (on the I/O threads, started by the
+        hit), then make them resident there and counted (``TieredStore`` load statistics,
+        LRU, KV events), as any load. Called by every hook before it does anything else;
+        call it yourself to see a hit's blocks in the store right after ``before_prefill``."""
+        with self._unpublished_lock:
+            handles, self._unpublished = self._unpublished, []
+        for handle in handles:
+            handle.wait().lease.release()
 
     def _count_prefill(self) -> None:
         """Count the last prefill's computed tokens and the TTFT its cached tokens saved."""
@@ -409,26 +456,39 @@ class HFConnector:
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         pool = self.store.top.tensor
-        kv = None
-        if handle.num_blocks and self._hit_buffer is not None and pool.device.type == "cpu":
+        kv, ticket.buffer = ticket.buffer, None
+        if kv is None and handle.num_blocks and self._hit_buffer is not None and pool.device.type == "cpu":
             kv = self._hit_buffer.take(handle.num_blocks * self.block_size)
         if kv is not None:
             # host pool: every layer at once, each chunk of blocks as it lands (DISK reads
-            # run on the I/O threads meanwhile), into reused host memory
-            block_ids = handle.block_ids
+            # run on the I/O threads meanwhile), into reused host memory; blocks the DISK
+            # reads wrote here themselves (handle.sunk) need no gather
+            block_ids, sunk = handle.block_ids, handle.sunk
             for indices in handle.landed():
-                gather_into(spec, pool, kv, [block_ids[i] for i in indices], indices)
-            keys = [kv[layer, 0].unsqueeze(0) for layer in range(spec.num_layers)]
-            values = [kv[layer, 1].unsqueeze(0) for layer in range(spec.num_layers)]
+                if sunk:
+                    indices = [i for i in indices if i not in sunk]
+                if indices:
+                    gather_into(spec, pool, kv, [block_ids[i] for i in indices], indices)
+            per_layer = kv.unsqueeze(2)  # [L, 2, 1, H, T, D]: each layer's K and V, [1, H, T, D] views
+            keys, values = list(per_layer[:, 0].unbind(0)), list(per_layer[:, 1].unbind(0))
         elif handle.num_blocks:
             gather = LayerGather(spec, pool, handle.block_ids)
             keys, values = new_layer_tensors(spec, handle.num_blocks * self.block_size, pool.device)
             for layer in range(spec.num_layers):
                 handle.wait_layer(layer)  # on CUDA: this layer's copy only, no host sync
                 gather.layer(layer, keys[layer], values[layer])
-        loaded = handle.wait()  # a failed block ends the prefix: use only what arrived
-        loaded.lease.release()  # the gathers are queued; later copies into these slots wait for them
-        num_blocks, media = len(loaded.block_ids), ticket.media
+        if kv is not None and handle.served_from_sinks:
+            # the DISK blocks were read and verified straight into kv; their copies into the
+            # top pool finish on the I/O threads and are published later (finish_loads)
+            num_blocks = handle.delivered_prefix()  # a failed block ends the prefix
+            all_sources = [b.source for b in handle.plans]
+            with self._unpublished_lock:
+                self._unpublished.append(handle)
+        else:
+            loaded = handle.wait()  # a failed block ends the prefix: use only what arrived
+            loaded.lease.release()  # the gathers are queued; later copies into these slots wait for them
+            num_blocks, all_sources = len(loaded.block_ids), loaded.sources
+        media = ticket.media
         if media is not None:
             num_blocks = media.cut(num_blocks, self.block_size)  # never inside an image
         num_cached = num_blocks * self.block_size
@@ -437,11 +497,12 @@ class HFConnector:
             keys = [k[:, :, :num_cached].contiguous() for k in keys]
             values = [v[:, :, :num_cached].contiguous() for v in values]
         device = self.model.device
-        cache = cache_from_layers(
-            [k.to(device, non_blocking=True) for k in keys], [v.to(device, non_blocking=True) for v in values]
-        ) if num_cached else new_cache()
+        if num_cached and keys[0].device != device:
+            keys = [k.to(device, non_blocking=True) for k in keys]
+            values = [v.to(device, non_blocking=True) for v in values]
+        cache = cache_from_layers(keys, values) if num_cached else new_cache()
         media_inputs = media.inputs_after(num_cached) if media is not None else {}
-        sources = loaded.sources[:num_blocks]
+        sources = all_sources[:num_blocks]
         return PrefillPlan(num_cached, cache, block_hashes, sources, self._cache_kwarg, media_inputs)
 
     def after_request(self, token_ids: torch.Tensor | Sequence[int], cache: Any, *, media: Any = None) -> int:
@@ -460,6 +521,7 @@ class HFConnector:
         Raises:
             TypeError: ``cache`` is not a transformers cache.
         """
+        self.finish_loads()  # its own hit's blocks first: a pending block would stop the store
         self._count_prefill()
         tokens = _token_list(token_ids)
         keys, values = cache_layers(cache)
@@ -496,9 +558,11 @@ class HFConnector:
         :meth:`prefetch` taken before loads nothing (``before_prefill`` computes the whole
         prompt). Use it after changing the model's weights in place without a new
         ``model_revision``."""
+        self.finish_loads()
         return self.store.reset(remote)
 
     def close(self) -> None:
+        self.finish_loads()
         self._count_prefill()
         self._timer.close()
         if self._hit_buffer is not None:

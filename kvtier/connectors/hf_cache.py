@@ -35,6 +35,7 @@ import math
 import threading
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from kvtier.kernels import gather_blocks_to_contiguous, scatter_contiguous_to_blocks, use_triton
@@ -345,6 +346,14 @@ def gather_into(spec: KVSpec, pool: torch.Tensor, out: torch.Tensor, block_ids: 
     elements, a token-major one runs of ``head_dim`` (1.3-1.7x the time of a plain copy of
     the same bytes here, vs 1.0-1.4x: the head-major layout's reason).
 
+    Each block is one numpy ``copyto`` from its slot (read in order) into its strided place
+    in ``out``, on byte views (any dtype, bfloat16 included): 0.84-1.16x the time of one
+    ``Tensor.copy_`` of the same bytes between contiguous tensors for 1-4k tokens of
+    SmolLM2-135M, vs 0.96-1.70x for one ``copy_`` of the whole permuted run and
+    1.12-1.90x for one numpy ``copyto`` of it (same run:
+    bench/results/2026-12-02-hit-3/micro/gather.py); a block's copy costs a few microseconds
+    of Python.
+
     Args:
         spec: a uniform spec: ``pool`` is ``[num_blocks, *spec.block_shape]``.
         out: ``[num_layers, 2, num_kv_heads, n * block_size, head_dim]`` contiguous
@@ -352,10 +361,33 @@ def gather_into(spec: KVSpec, pool: torch.Tensor, out: torch.Tensor, block_ids: 
         block_ids, indices: ``[k]`` each: slot and request position of each block.
     """
     layers, _, heads, tokens, dim = out.shape
+    nbytes = dim * out.element_size()
+    blocks = out.view(torch.uint8).numpy().reshape(layers, 2, heads, tokens // spec.block_size, spec.block_size, nbytes)
+    slots = pool.view(torch.uint8).numpy()
+    copyto = np.copyto
+    for slot, index in zip(block_ids, indices):
+        src = slots[slot] if spec.head_major else slots[slot].transpose(0, 1, 3, 2, 4)  # -> [L, 2, H, B, D]
+        copyto(blocks[:, :, :, index], src)
+
+
+def block_views(spec: KVSpec, out: torch.Tensor) -> list[torch.Tensor]:
+    """Each block's place in ``out`` as a tensor of ``spec.block_shape`` (views, no copy):
+    the destinations :func:`gather_into` writes, for a DISK read to write itself
+    (``TieredStore.prefetch(sinks=...)``).
+
+    Args:
+        spec: a uniform spec.
+        out: ``[num_layers, 2, num_kv_heads, n * block_size, head_dim]`` contiguous.
+
+    Returns:
+        ``n`` views, block ``i`` = tokens ``i * block_size ..`` of every layer, K and V:
+        ``[num_layers, 2, num_kv_heads, block_size, head_dim]`` head-major, else
+        ``[num_layers, 2, block_size, num_kv_heads, head_dim]``.
+    """
+    layers, _, heads, tokens, dim = out.shape
     blocks = out.view(layers, 2, heads, tokens // spec.block_size, spec.block_size, dim)
-    order = (1, 2, 3, 0, 4, 5) if spec.head_major else (1, 2, 4, 0, 3, 5)  # -> [L, 2, H, k, B, D]
-    for slot, index, length in _runs(block_ids, indices):
-        blocks[:, :, :, index : index + length].copy_(pool[slot : slot + length].permute(order))
+    order = (3, 0, 1, 2, 4, 5) if spec.head_major else (3, 0, 1, 4, 2, 5)
+    return list(blocks.permute(order).unbind(0))
 
 
 def cache_from_layers(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> Any:

@@ -39,7 +39,7 @@ from kvtier.store.misses import Miss, MissMemory
 from kvtier.store.placement import Placement
 from kvtier.store.residency import Residency
 from kvtier.store.results import Lease, LoadResult, StoreStats
-from kvtier.transfer.engine import JobResult, TransferEngine, TransferJob
+from kvtier.transfer.engine import Delivery, JobResult, TransferEngine, TransferJob
 from kvtier.types import NO_FINGERPRINT, BlockHash, Fingerprint, Medium
 
 
@@ -77,6 +77,10 @@ class PrefetchHandle:
         count: whether the lookup was counted (then so are the blocks it found but does not load).
         unserved: the reason of each walked block that got no plan (gone since the walk,
             beyond the top pool, no free slot), counted with the failures on ``wait``.
+        sunk: indices of the blocks whose DISK read goes to the caller's sinks first (the
+            ``sinks`` of :meth:`Prefetcher.plan`): once :meth:`landed` yields them, those
+            :meth:`delivered_prefix` counts hold their verified bytes there.
+        deliveries: read job id -> its :class:`~kvtier.transfer.engine.Delivery` (jobs with sinks).
     """
 
     prefetcher: "Prefetcher"
@@ -89,6 +93,8 @@ class PrefetchHandle:
     read_seconds: float = 0.0
     count: bool = False
     unserved: list[Miss] = field(default_factory=list)
+    sunk: frozenset[int] = frozenset()
+    deliveries: dict[int, Delivery] = field(default_factory=dict)
     _result: LoadResult | None = None
     _staged: bool = False
     _abandon: Any = None
@@ -169,8 +175,42 @@ class PrefetchHandle:
             yield [i for i in range(len(self.plans)) if i not in read]
         engine = self.prefetcher.engine
         for job_id, indices in list(self.read_jobs.items()):
-            engine.join([job_id])
+            delivery = self.deliveries.get(job_id)
+            if delivery is not None:
+                delivery.wait()  # in the sinks: the copies into the top pool may still run
+            else:
+                engine.join([job_id])
             yield indices
+
+    @property
+    def served_from_sinks(self) -> bool:
+        """Every block is either in the top pool already or read into the caller's sinks
+        (:attr:`sunk`): then :meth:`delivered_prefix` says, before :meth:`wait`, which
+        leading blocks the caller may use."""
+        top = self.prefetcher.placement.top.medium
+        return bool(self.sunk) and not self.copy_jobs and all(
+            i in self.sunk or b.source is top for i, b in enumerate(self.plans))
+
+    def delivered_prefix(self) -> int:
+        """Leading blocks usable now (:attr:`served_from_sinks` handles only: waits for the
+        deliveries): those in the top pool from the start (pinned by the lease) and those
+        whose sink holds their verified bytes, up to the first that failed. :meth:`wait`
+        later publishes them into the top pool; it may still find one of them failed (its
+        second read into the pool: a record that changed on disk in between), and then
+        that block and the rest are not published, but the sink's bytes were verified.
+
+        Raises:
+            RuntimeError: not :attr:`served_from_sinks`.
+        """
+        if not self.served_from_sinks:
+            raise RuntimeError("delivered_prefix needs a handle served from sinks")
+        ok = [True] * len(self.plans)
+        if self.prefetcher.residency.inherited(self.generation):
+            return 0
+        for job_id, indices in self.read_jobs.items():
+            for index, good in zip(indices, self.deliveries[job_id].wait()):
+                ok[index] = good
+        return next((i for i, good in enumerate(ok) if not good), len(ok))
 
     def _stage(self) -> None:
         """Wait for the DISK reads, then send blocks staged in the CPU slab on to the GPU."""
@@ -226,7 +266,7 @@ class Prefetcher:
     def plan(
         self, block_hashes: Sequence[BlockHash], media: Sequence[Medium],
         fingerprints: Sequence[Fingerprint] | None = None, count: bool = False, namespace: bytes = b"",
-        walked_generation: int | None = None,
+        walked_generation: int | None = None, sinks: Callable[[int], Sequence[Any] | None] | None = None,
     ) -> PrefetchHandle:
         """Step 1 (the caller holds the store's lock). ``media``: what the lookup walk found
         for the leading blocks (a REMOTE block was found outside the lock); each block's
@@ -236,7 +276,12 @@ class Prefetcher:
         ``namespace``, the store's, for their reasons; a block of other tokens as
         ``token_mismatch``). REMOTE blocks found by a walk of an older generation
         (``walked_generation``: a reset came in between, and may be emptying REMOTE) are not
-        trusted."""
+        trusted. ``sinks``: called (under the lock: keep it short) with the number of blocks
+        planned when some come from DISK straight into a host-memory top pool; returns a
+        second destination per block (a tensor of the block's shape, any strides) or
+        ``None``: the DISK reads then write each block's verified bytes there too, from
+        cache (``handle.sunk``; the HF connector's hit buffer, so a DISK hit is not gathered
+        again from the pool)."""
         remote_ok = walked_generation is None or self._residency.is_current(walked_generation)
         walked = self._chain(block_hashes, media, fingerprints, remote_ok)
         unserved: list[Miss] = []
@@ -258,7 +303,7 @@ class Prefetcher:
             unserved = [(misses.NO_FREE_SLOT, str(b.source), "") for b in chain[len(plans) :]] + [
                 (misses.BEYOND_TOP_CAPACITY, str(b.source), "") for b in walked[top.num_blocks :]] + unserved
         handle = PrefetchHandle(self, plans, lease, self._residency.generation, count=count, unserved=unserved)
-        self._submit(handle)
+        self._submit(handle, sinks)
         # Dropped without wait() (the request was cancelled): wait its jobs and free its slots.
         handle._abandon = weakref.finalize(
             handle, self._residency.defer_or_run,
@@ -328,9 +373,12 @@ class Prefetcher:
             plans.append(b)
         return plans
 
-    def _submit(self, handle: PrefetchHandle) -> None:
+    def _submit(self, handle: PrefetchHandle, sinks: Callable[[int], Sequence[Any] | None] | None = None) -> None:
         top, plans = self.placement.top, handle.plans
         dst = Medium.CPU if top.tensor.device.type != "cpu" else top.medium
+        views = None
+        if sinks is not None and dst is top.medium and any(b.source is Medium.DISK for b in plans):
+            views = sinks(len(plans))
         for source in (Medium.DISK, Medium.REMOTE):
             reads = [i for i, b in enumerate(plans) if b.source is source]
             if not reads:
@@ -345,7 +393,13 @@ class Prefetcher:
                 ids = [plans[i].staging_id if dst is not top.medium else plans[i].top_id for i in part]
                 job = TransferJob(source, dst, [plans[i].block_hash for i in part], dst_ids=ids,
                                   fingerprints=[plans[i].expected for i in part])
-                handle.read_jobs[self.engine.submit(job)] = part
+                if views is not None and source is Medium.DISK:
+                    job.sinks, job.delivery = [views[i] for i in part], Delivery()
+                    handle.sunk = handle.sunk | frozenset(part)
+                job_id = self.engine.submit(job)
+                handle.read_jobs[job_id] = part
+                if job.delivery is not None:
+                    handle.deliveries[job_id] = job.delivery
         copies = [i for i, b in enumerate(plans) if b.source not in (top.medium, Medium.DISK, Medium.REMOTE)]
         if copies:
             src = self.placement.pool(plans[copies[0]].source)

@@ -44,7 +44,7 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -223,6 +223,7 @@ class TieredStore:
     def prefetch(
         self, block_hashes: Sequence[BlockHash], request_id: str | None = None, count: bool = True,
         prompt: PromptInfo | None = None, fingerprints: Sequence[Fingerprint] | None = None,
+        sinks: Callable[[int], Sequence[Any] | None] | None = None,
     ) -> PrefetchHandle:
         """Pin the cached prefix of ``block_hashes`` and start bringing it into the top pool
         (REMOTE blocks included: asked for first, outside the lock). Returns at once;
@@ -237,6 +238,10 @@ class TieredStore:
                 (:func:`kvtier.hashing.block_keys_for`); the prefix ends at the first block
                 a tier holds with another (a miss counted as ``token_mismatch``). ``None``:
                 not checked (the daemon's relay, tests).
+            sinks: a second destination for the blocks read from DISK into a host-memory top
+                pool (:meth:`Prefetcher.plan`; ``handle.sunk`` says which): ``sinks(n)``, called
+                under the store's lock with the number of blocks planned, returns one tensor of
+                the block's shape per block, or ``None``. The blocks still land in the top pool.
 
         Raises:
             ValueError: bad block hashes, or fingerprints that are not one 32-byte value per hash.
@@ -248,7 +253,7 @@ class TieredStore:
             self._check_open()
             self._writes.reap()
             return self._prefetcher.plan(block_hashes, walk.media, fingerprints, walk.counted, self.namespace,
-                                         walk.generation)
+                                         walk.generation, sinks)
 
     def load(
         self, block_hashes: Sequence[BlockHash], request_id: str | None = None, count: bool = True,

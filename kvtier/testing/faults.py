@@ -15,8 +15,8 @@ blocks (``keys``)::
 DISK faults are injected *below* the tier's own checks, where real faults happen, so the
 tier's and the store's handling is what is tested (not a stub of it):
 
-- reads (op ``"read"``, one call per block read, inside ``DiskTier.read_into``'s LMDB read
-  transaction): ``error`` (the read raises ``lmdb.DiskError``), ``readers_full``
+- reads (op ``"read"``, one call per block read, inside the LMDB read transaction of
+  ``DiskTier.read_into`` or ``read_into_views``; a write transaction's read-back is left alone): ``error`` (the read raises ``lmdb.DiskError``), ``readers_full``
   (``lmdb.ReadersFullError``), ``corrupt`` (one bit of the record flipped on its way out of the
   map: header or payload), ``truncate`` (a short value), ``missing`` (the record vanished),
   ``delay`` (a slow read, ``delay_s``). The record on disk stays intact (a transient fault).
@@ -221,10 +221,13 @@ class _DiskFaults:
 
 
 class _FaultyTxn:
-    """An LMDB transaction whose ``get`` (reads) and ``put`` (writes) misbehave per the plan."""
+    """An LMDB transaction whose ``get`` (reads; in read transactions only) and ``put``
+    (writes) misbehave per the plan. A write transaction's ``get`` is the writer reading back
+    the value it just put (``put_record`` writes the header into it): not a block read, and
+    a damaged copy there would commit a record whose header never got written."""
 
-    def __init__(self, txn, faults: _DiskFaults) -> None:
-        self._txn, self._faults, self._puts = txn, faults, 0
+    def __init__(self, txn, faults: _DiskFaults, write: bool = False) -> None:
+        self._txn, self._faults, self._puts, self._write = txn, faults, 0, write
 
     def __enter__(self) -> "_FaultyTxn":
         self._txn.__enter__()
@@ -239,7 +242,7 @@ class _FaultyTxn:
     def get(self, key, default=None, *args, **kwargs):
         import lmdb
 
-        hit = self._faults.plan.pick("read", bytes(key))
+        hit = None if self._write else self._faults.plan.pick("read", bytes(key))
         if hit is None:
             return self._txn.get(key, default, *args, **kwargs)
         fault = hit.fault
@@ -282,7 +285,7 @@ class _FaultyEnv:
         self.real, self._faults = env, faults
 
     def begin(self, *args, **kwargs) -> _FaultyTxn:
-        return _FaultyTxn(self.real.begin(*args, **kwargs), self._faults)
+        return _FaultyTxn(self.real.begin(*args, **kwargs), self._faults, bool(kwargs.get("write", False)))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)

@@ -61,6 +61,7 @@ except ImportError:  # only the DISK tier needs it; GPU/CPU tiers run without
 from kvtier.records import (
     HEADER_NBYTES, VERSION, ReadStatus, decode_into, encode_header, encode_record, parse_header, record_version,
 )
+from kvtier.records import decode_into_view
 from kvtier.tiers.disk_index import DiskIndex, IndexDamaged, IndexEntry, open_index, remove_index
 from kvtier.tiers.lru import SegmentedLRU
 from kvtier.types import NO_FINGERPRINT, BlockHash, Fingerprint, Medium
@@ -344,6 +345,24 @@ class DiskTier:
             if value is None:
                 return ReadStatus.MISSING
             return decode_into(value, namespace, out, expected)
+
+    def read_into_views(
+        self, block_hashes: Sequence[BlockHash], namespace: bytes, views: Sequence[torch.Tensor],
+        fingerprints: Sequence[Fingerprint | None],
+    ) -> list[ReadStatus]:
+        """:meth:`read_into` of several blocks, each straight into its place in a caller's
+        buffer (``views``: tensors of the block's shape and dtype, any strides), verified
+        while it is copied (:func:`kvtier.records.decode_into_view`: one pass over its
+        bytes), from one read transaction. ``fingerprints``: ``[n]``, as for
+        :meth:`read_into`. Returns each block's status; a view whose block is not ``OK``
+        must not be used. Thread-safe; changes no index state, as :meth:`read_into`."""
+        statuses = []
+        with self.env.begin(buffers=True) as txn:
+            for h, view, fingerprint in zip(block_hashes, views, fingerprints):
+                expected = fingerprint if fingerprint is not None else self._fingerprints.get(h)
+                value = txn.get(h)
+                statuses.append(ReadStatus.MISSING if value is None else decode_into_view(value, namespace, view, expected))
+        return statuses
 
     # -- lifecycle -------------------------------------------------------------------------
     def flush(self) -> None:

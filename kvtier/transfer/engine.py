@@ -24,7 +24,7 @@ import time
 import traceback
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 from kvtier.types import BlockHash, Medium
 
@@ -43,6 +43,13 @@ class TransferJob:
         fingerprints: for reads from DISK or REMOTE, the token fingerprint each block must
             carry (``None`` entries, or ``None``: not checked against a request's tokens),
             ``[n]``; a block that carries another is failed with reason ``"token_mismatch"``.
+        sinks: for a DISK read into a host-memory pool, a first destination per block
+            (``None``: none), ``[n]`` tensors of the block's shape, any strides: each block
+            is read and verified into its sink (``DiskTier.read_into_views``), ``delivery``
+            is set and ``sinks`` dropped, then the blocks are read into their slots in a
+            second task (``DiskHandler.start``).
+        delivery: with ``sinks``: which blocks' sinks hold verified bytes, set before the
+            job ends.
         job_id: set by :meth:`TransferEngine.submit`.
     """
 
@@ -52,7 +59,28 @@ class TransferJob:
     src_ids: list[int] | None = None
     dst_ids: list[int] | None = None
     fingerprints: list[bytes | None] | None = None
+    sinks: list[Any] | None = None
+    delivery: "Delivery | None" = None
     job_id: int = -1
+
+
+class Delivery:
+    """Which blocks of a job with sinks reached them (:attr:`TransferJob.sinks`), known
+    before the job itself ends: set once by the handler (every block failed, if it raised)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.ok: list[bool] = []
+
+    def set(self, ok: list[bool]) -> None:
+        if not self._event.is_set():
+            self.ok = ok
+            self._event.set()
+
+    def wait(self) -> list[bool]:
+        """Block until set; per block, whether its sink holds its verified bytes."""
+        self._event.wait()
+        return self.ok
 
 
 @dataclass(slots=True)

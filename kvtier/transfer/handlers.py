@@ -161,6 +161,69 @@ class DiskHandler(_IOHandler):
         nbytes = sum(ok) * self.pool.spec.block_nbytes
         return JobResult(job.job_id, ok, reasons, nbytes)
 
+    def start(self, job: TransferJob) -> Pending:
+        """A read with sinks (``job.sinks``) runs in two tasks: the reads into the sinks,
+        which set ``job.delivery``, then the reads into the slots, queued behind the jobs
+        submitted meanwhile (the rest of the same prefix's reads into its sinks go first).
+        The job is done when both are; anything else runs as one task."""
+        if job.sinks is None or job.dst_ids is None:
+            return super().start(job)
+        started, n = time.perf_counter(), len(job.block_hashes)
+        done: Future = Future()
+
+        def finish(statuses: list[str]) -> None:
+            try:
+                result = self._read_slots(job, statuses)
+            except Exception as exc:  # an I/O thread never raises into the engine's caller
+                logger.exception("DISK read job %d failed: %s", job.job_id, exc)
+                result = failed(job, "error", started)
+            result.seconds = time.perf_counter() - started
+            done.set_result(result)
+
+        def deliver() -> None:
+            statuses = ["error"] * n
+            try:
+                expected = job.fingerprints or [None] * n
+                statuses = [s.value for s in self.disk.read_into_views(job.block_hashes, self.namespace, job.sinks, expected)]
+            except Exception as exc:
+                logger.warning("DISK read of %d blocks failed: %s", n, exc)
+            finally:
+                job.sinks = None  # the caller's buffer is its own again (it reuses it when no one else holds it)
+                if job.delivery is not None:
+                    job.delivery.set([status == ReadStatus.OK.value for status in statuses])
+            try:
+                self.executor.submit(finish, statuses)
+            except RuntimeError:  # the executor is shutting down: finish here
+                finish(statuses)
+
+        try:
+            self.executor.submit(deliver)
+        except BaseException:
+            if job.delivery is not None:
+                job.delivery.set([False] * n)
+            raise
+        return _FuturePending(done)
+
+    def _read_slots(self, job: TransferJob, statuses: list[str]) -> JobResult:
+        """The second task of a read with sinks: each block its sink got is read again into
+        its slot, verified again there (:meth:`DiskTier.read_into`); a block that failed into
+        its sink keeps that status."""
+        ok: list[bool] = []
+        reasons: dict[int, str] = {}
+        expected = job.fingerprints or [None] * len(job.block_hashes)
+        for i, (h, slot, fingerprint) in enumerate(zip(job.block_hashes, job.dst_ids, expected)):
+            status = statuses[i]
+            if status == ReadStatus.OK.value:
+                try:
+                    status = self.disk.read_into(h, self.namespace, self.pool.tensor[slot], fingerprint).value
+                except Exception as exc:  # one bad read fails one block, not the job
+                    logger.warning("DISK read of block %s failed: %s", h.hex()[:16], exc)
+                    status = "error"
+            ok.append(status == ReadStatus.OK.value)
+            if not ok[-1]:
+                reasons[i] = status
+        return JobResult(job.job_id, ok, reasons, sum(ok) * self.pool.spec.block_nbytes)
+
     def _write(self, job: TransferJob) -> JobResult:
         pool = self.pool
         puts = [(h, self.namespace, pool.tensor[s], pool.fingerprint_at(s)) for h, s in zip(job.block_hashes, job.src_ids)]

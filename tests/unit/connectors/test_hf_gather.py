@@ -10,6 +10,7 @@ import torch
 from kvtier.connectors.hf_cache import (
     HostHitBuffer,
     LayerGather,
+    block_views,
     cache_from_layers,
     cache_layers,
     gather_into,
@@ -103,21 +104,38 @@ def test_layer_gather_of_a_head_major_pool_puts_every_token_at_its_position(ids:
         assert torch.equal(keys[layer], want_k) and torch.equal(values[layer], want_v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("spec", [UNIFORM, HEAD_MAJOR], ids=["token-major", "head-major"])
 @pytest.mark.parametrize(
     "chunks", [[[0, 1, 2, 3]], [[2, 3], [0, 1]], [[0], [3], [1, 2]]], ids=["at once", "two chunks", "out of order"]
 )
-def test_gather_into_writes_each_chunk_at_its_positions(spec: KVSpec, chunks: list[list[int]]) -> None:
+def test_gather_into_writes_each_chunk_at_its_positions(spec: KVSpec, chunks: list[list[int]], dtype) -> None:
     """Chunks as PrefetchHandle.landed yields them (any order): every layer's K/V of every
-    block lands at its request position, bit for bit, whatever the slots."""
-    pool = torch.randn(12, *spec.block_shape)
+    block lands at its request position, bit for bit, whatever the slots and dtype (the
+    copies run on byte views: numpy has no bfloat16)."""
+    pool = torch.randn(12, *spec.block_shape).to(dtype)
     ids = [7, 8, 2, 10]  # positions 0, 1 consecutive slots; 2, 3 not
-    out = torch.full((3, 2, 2, 4 * BLOCK, 8), float("nan"))
+    out = torch.full((3, 2, 2, 4 * BLOCK, 8), float("nan"), dtype=dtype)
     for chunk in chunks:
         gather_into(spec, pool, out, [ids[i] for i in chunk], chunk)
     for layer in range(3):
         want_k, want_v = expected_layer(spec, pool, ids, layer)
         assert torch.equal(out[layer, 0].unsqueeze(0), want_k) and torch.equal(out[layer, 1].unsqueeze(0), want_v)
+
+
+@pytest.mark.parametrize("spec", [UNIFORM, HEAD_MAJOR], ids=["token-major", "head-major"])
+def test_block_views_are_where_gather_into_writes_each_block(spec: KVSpec) -> None:
+    """block_views(spec, out)[i] written with slot ids[i] gives out what gather_into gives."""
+    pool = torch.randn(6, *spec.block_shape)
+    ids = [4, 1, 5]
+    want = torch.empty(3, 2, 2, 3 * BLOCK, 8)
+    gather_into(spec, pool, want, ids, [0, 1, 2])
+    out = torch.full_like(want, float("nan"))
+    views = block_views(spec, out)
+    assert len(views) == 3 and all(tuple(v.shape) == spec.block_shape for v in views)
+    for view, slot in zip(views, ids):
+        view.copy_(pool[slot])
+    assert torch.equal(out, want)
 
 
 @pytest.mark.parametrize("spec", [UNIFORM, HEAD_MAJOR], ids=["token-major", "head-major"])

@@ -140,6 +140,7 @@ def test_disk_reads_land_in_chunks_and_a_corrupt_one_ends_the_prefix(model, tmp_
     kv = connector(model, cfg)
     plan = kv.before_prefill(ids)
     assert_exact(plan, model, ids, 3 * BLOCK)
+    kv.finish_loads()  # the hit read DISK straight into its buffer: published (and counted) now
     assert kv.store.stats.load_failures["corrupt"] == 1
     kv.close()
 

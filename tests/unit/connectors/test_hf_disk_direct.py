@@ -1,0 +1,208 @@
+"""The HF connector's DISK hit read straight into its hit buffer (``TieredStore.prefetch``'s
+``sinks``, ``DiskTier.read_into_views``): every block verified before it is served, a failed
+one ending the prefix, the blocks still promoted into the top pool (published by
+``finish_loads`` or the next hook), and hits on several threads at once exact."""
+
+from __future__ import annotations
+
+import threading
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+
+from kvtier.connectors import hf
+from kvtier.records import HEADER_NBYTES, ReadStatus, decode_into_view, encode_record
+from kvtier.store import prefetch
+from kvtier.types import Medium
+from tests.conftest import flip_byte, patch_record
+from tests.unit.connectors.test_hf_layout import BLOCK, assert_exact, config, connector, prompt, store_prompt
+
+NS = b"n" * 32
+
+
+def on_disk(model, tmp_path, ids, head_major=True, **kwargs):
+    """A connector whose store holds ``ids``'s blocks on DISK only (stored, closed, reopened)."""
+    cfg = config(tmp_path)
+    kv = connector(model, cfg, head_major)
+    store_prompt(kv, model, ids)
+    kv.close()
+    return connector(model, cfg, head_major, **kwargs)
+
+
+def gathered(monkeypatch) -> list[list[int]]:
+    """Request positions the connector gathers from the top pool (hf.gather_into), per call."""
+    calls: list[list[int]] = []
+    real = hf.gather_into
+
+    def spy(spec, pool, out, block_ids, indices):
+        calls.append(list(indices))
+        real(spec, pool, out, block_ids, indices)
+
+    monkeypatch.setattr(hf, "gather_into", spy)
+    return calls
+
+
+@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "token-major"])
+@pytest.mark.parametrize("job_nbytes", [1, 8 << 20], ids=["one block a job", "one job"])
+def test_a_disk_hit_is_read_into_the_hit_buffer_bit_for_bit_and_promoted(model, tmp_path, monkeypatch, head_major,
+                                                                         job_nbytes):
+    monkeypatch.setattr(prefetch, "_DISK_JOB_NBYTES", job_nbytes)
+    ids = prompt(6 * BLOCK + 5, seed=11)
+    kv = on_disk(model, tmp_path, ids, head_major)
+    calls = gathered(monkeypatch)
+    plan = kv.before_prefill(ids)
+    assert_exact(plan, model, ids, 6 * BLOCK)
+    assert plan.sources == [Medium.DISK] * 6 and calls == []  # nothing gathered from the pool
+    kv.finish_loads()  # the copies into the top pool: published now
+    store, hashes = kv.store, kv.block_hashes(ids[0])
+    assert [store.placement.medium_of(h) for h in hashes[:6]] == [Medium.CPU] * 6
+    assert store.stats.loaded_blocks[Medium.DISK] == 6 and not store.stats.load_failures
+    del plan  # the hit buffer is free again
+    again = kv.before_prefill(ids)  # now from the CPU pool, gathered
+    assert_exact(again, model, ids, 6 * BLOCK) and again.sources == [Medium.CPU] * 6
+    assert sorted(i for c in calls for i in c) == list(range(6))
+    kv.close()
+
+
+@pytest.mark.parametrize("job_nbytes", [1, 8 << 20], ids=["one block a job", "one job"])
+@pytest.mark.parametrize("damage", ["corrupt", "missing", "token_mismatch"])
+def test_a_bad_record_mid_chain_ends_the_prefix_and_nothing_after_it_is_served(model, tmp_path, monkeypatch,
+                                                                              job_nbytes, damage):
+    monkeypatch.setattr(prefetch, "_DISK_JOB_NBYTES", job_nbytes)
+    ids = prompt(6 * BLOCK + 1, seed=12)
+    cfg = config(tmp_path)
+    kv = connector(model, cfg)
+    store_prompt(kv, model, ids)
+    hashes = kv.block_hashes(ids[0])
+    kv.close()
+    if damage == "missing":  # gone behind the open store's index's back
+        kv = connector(model, cfg)
+        with kv.store.disk.env.begin(write=True) as txn:
+            txn.delete(hashes[3])
+    else:
+        env = lmdb.open(str(tmp_path / "disk"))
+        txn = env.begin(write=True)
+        if damage == "corrupt":  # one payload byte of block 3
+            patch_record(txn, hashes[3], flip_byte(-5, 0x10))
+        else:  # an intact record of other tokens: another fingerprint (and the checksum to match)
+            value = bytes(txn.get(hashes[3]))
+            block = torch.tensor(np.frombuffer(value, dtype=np.float32, offset=HEADER_NBYTES))
+            shape = tuple(int(x) for x in np.frombuffer(value[8:40], dtype="<u4")[: value[7]])
+            txn.put(hashes[3], encode_record(value[40:72], block.view(shape), 0, b"x" * 32).tobytes())
+        txn.commit()
+        env.close()
+        kv = connector(model, cfg)
+    plan = kv.before_prefill(ids)
+    assert_exact(plan, model, ids, 3 * BLOCK)
+    assert plan.sources == [Medium.DISK] * 3
+    kv.finish_loads()
+    store = kv.store
+    assert store.stats.load_failures[damage] == 1 and store.stats.loaded_blocks[Medium.DISK] == 3, store.stats.load_failures
+    held = [store.placement.medium_of(h) for h in hashes[:6]]
+    assert held[:3] == [Medium.CPU] * 3  # promoted
+    assert held[3] == (Medium.DISK if damage == "token_mismatch" else None)  # a corrupt or missing record is dropped
+    if damage == "token_mismatch":  # found at planning (the index keeps the record's fingerprint): not read
+        assert held[4:] == [Medium.DISK] * 2
+    else:  # read and kept in the top pool (as any load does), never served
+        assert held[4:] == [Medium.CPU] * 2
+    kv.close()
+
+
+def test_a_failing_read_fails_its_blocks_and_never_hangs_the_hit(model, tmp_path, monkeypatch):
+    ids = prompt(4 * BLOCK + 1, seed=13)
+    kv = on_disk(model, tmp_path, ids)
+
+    def broken(*args, **kwargs):
+        raise OSError("EIO")
+
+    monkeypatch.setattr(kv.store.disk, "read_into_views", broken)
+    plan = kv.before_prefill(ids)
+    assert plan.num_cached_tokens == 0 and plan.sources == []
+    kv.finish_loads()
+    assert kv.store.stats.load_failures["error"] == 4
+    kv.close()
+
+
+def test_a_mixed_prefix_gathers_the_pool_blocks_and_reads_the_disk_ones(model, tmp_path, monkeypatch):
+    ids = prompt(6 * BLOCK + 1, seed=14)
+    kv = on_disk(model, tmp_path, ids)
+    head = kv.before_prefill(ids[:, : 2 * BLOCK + 1])  # blocks 0-1 into the CPU pool
+    assert head.sources == [Medium.DISK] * 2
+    del head
+    calls = gathered(monkeypatch)
+    plan = kv.before_prefill(ids)
+    assert_exact(plan, model, ids, 6 * BLOCK)
+    assert plan.sources == [Medium.CPU] * 2 + [Medium.DISK] * 4
+    assert sorted(i for c in calls for i in c) == [0, 1]  # only the pool's blocks were gathered
+    kv.close()
+
+
+def test_after_request_right_after_a_disk_hit_stores_the_new_blocks(model, tmp_path):
+    """The hit's blocks are still pending in the top pool until published: after_request
+    publishes them first, so its store does not stop at them."""
+    ids = prompt(4 * BLOCK + 1, seed=15)
+    kv = on_disk(model, tmp_path, ids)
+    longer = torch.cat([ids, prompt(3 * BLOCK, seed=16)], dim=1)
+    plan = kv.before_prefill(longer)
+    assert plan.num_cached_tokens == 4 * BLOCK
+    with torch.inference_mode():
+        out = model(longer[:, 4 * BLOCK :], use_cache=True, **plan.generate_kwargs())
+    cache = getattr(out, "cache", None) or out.past_key_values
+    assert kv.after_request(longer[0], cache) == 7
+    assert kv.store.lookup(kv.block_hashes(longer[0])).num_hit_blocks == 7
+    kv.close()
+
+
+def test_hits_on_several_threads_at_once_are_exact(model, tmp_path):
+    """Two threads hit (the same prompt and another) on one connector at once, from DISK and
+    then from CPU: one gets the kept buffer, the other tensors of its own; each hit's K/V
+    are the model's own."""
+    a, b = prompt(5 * BLOCK + 1, seed=17), prompt(4 * BLOCK + 1, seed=18)
+    cfg = config(tmp_path, cpu_bytes=16 << 20)
+    kv = connector(model, cfg)
+    store_prompt(kv, model, a)
+    store_prompt(kv, model, b)
+    kv.close()
+    kv = connector(model, cfg)
+    errors: list[BaseException] = []
+    for rounds in range(3):
+        barrier = threading.Barrier(3)
+
+        def hit(ids, n):
+            try:
+                barrier.wait()
+                plan = kv.before_prefill(ids)  # 0 while the other thread's load of it is in flight
+                if plan.num_cached_tokens:
+                    assert_exact(plan, model, ids, n)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=hit, args=args) for args in ((a, 5 * BLOCK), (a, 5 * BLOCK), (b, 4 * BLOCK))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+    kv.finish_loads()
+    assert_exact(kv.before_prefill(a), model, a, 5 * BLOCK)
+    kv.close()
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "a block of a larger buffer"])
+def test_decode_into_view_gives_the_record_bytes_or_refuses(strided):
+    block = torch.randn(3, 2, 2, BLOCK, 16)
+    record = memoryview(encode_record(NS, block, 1, b"f" * 32).tobytes())
+    big = torch.zeros(3, 2, 2, 4 * BLOCK, 16)
+    out = big[:, :, :, BLOCK : 2 * BLOCK] if strided else torch.zeros_like(block)
+    assert decode_into_view(record, NS, out, b"f" * 32) is ReadStatus.OK and torch.equal(out, block)
+    if strided:
+        assert torch.count_nonzero(big[:, :, :, :BLOCK]) == 0 and torch.count_nonzero(big[:, :, :, 2 * BLOCK :]) == 0
+    damaged = bytearray(record)
+    damaged[-3] ^= 1
+    assert decode_into_view(memoryview(bytes(damaged)), NS, out) is ReadStatus.CORRUPT
+    assert decode_into_view(record, b"m" * 32, out) is ReadStatus.CORRUPT  # another namespace
+    assert decode_into_view(record, NS, out, b"g" * 32) is ReadStatus.TOKEN_MISMATCH
+    assert decode_into_view(record, NS, torch.zeros(3, 2, 2, BLOCK, 8)) is ReadStatus.CORRUPT  # another shape
+    assert decode_into_view(memoryview(bytes(record)[:200]), NS, out) is ReadStatus.CORRUPT  # cut short
