@@ -28,15 +28,10 @@ second memory-bound copy: store() into a full CPU slab 0.54x -> 0.78x a raw writ
 bench/transfers.py, issue 17).
 
 Reads copy the payload straight out of LMDB's map into the destination (one copy, hashed
-chunk by chunk while hot: :func:`kvtier.records.decode_into`). A record whose first or last
-page is not in the page cache is read with ``preadv`` from ``data.mdb`` at its file offset
-instead (:class:`_MappedFile`, :func:`kvtier.records.decode_file_into`: one kernel copy per
-byte with the file's sequential readahead, like a ``readinto``); its bytes are verified as
-on the map path plus its header against the mapped one, and anything but ``OK`` is decided
-through the map, so a wrong offset never drops a record. Measured and left out
-(bench/results/2026-12-01-perf/disk.txt, 2026-12-02-perf-disk): ``pread`` of cached records
-(slower than the map copy), ``MADV_RANDOM`` plus ``MADV_WILLNEED`` per record (cold reads 20x
-slower), ``WILLNEED`` windows ahead of a chain (no gain beyond the storage's noise).
+chunk by chunk while hot: :func:`kvtier.records.decode_into`); a cold record comes in by
+the kernel's fault readahead (``read_ahead_kb``, 8 MiB on the test VM). Measured and left
+out (bench/results/2026-12-01-perf/disk.txt): ``pread`` into the destination (slower when
+warm), and ``MADV_RANDOM`` plus ``MADV_WILLNEED`` per record (cold reads 20x slower).
 
 Accounting: ``used_bytes`` is the sum of record footprints, each rounded up to whole LMDB
 pages as LMDB stores large values on overflow pages; it never exceeds ``capacity_bytes``.
@@ -64,8 +59,7 @@ except ImportError:  # only the DISK tier needs it; GPU/CPU tiers run without
     lmdb = None  # type: ignore[assignment]
 
 from kvtier.records import (
-    HEADER_NBYTES, VERSION, ReadStatus, decode_file_into, decode_into, encode_header, encode_record, parse_header,
-    record_version,
+    HEADER_NBYTES, VERSION, ReadStatus, decode_into, encode_header, encode_record, parse_header, record_version,
 )
 from kvtier.tiers.disk_index import DiskIndex, IndexDamaged, IndexEntry, open_index, remove_index
 from kvtier.tiers.lru import SegmentedLRU
@@ -122,7 +116,6 @@ class DiskTier:
         self._seq = 0
         self._lock = threading.RLock()
         self.read_only = False
-        self._records = _MappedFile(self.path / "data.mdb")
         self._rebuild_index()
 
     def after_fork_in_child(self) -> None:
@@ -137,8 +130,7 @@ class DiskTier:
             self._index = None
         self._lock = threading.RLock()
         self.read_only = True
-        self._records.close()  # the inherited descriptor is shared with the parent (its file offset too)
-        self._records = _MappedFile(self.path / "data.mdb")  # and this process maps the file elsewhere  # the parent's flock stays the parent's
+        self._lock_file = None  # the parent's flock stays the parent's
 
     # -- accounting ------------------------------------------------------------------------
     def footprint(self, payload_nbytes: int) -> int:
@@ -347,17 +339,10 @@ class DiskTier:
         caller must not use it). Thread-safe; changes no index state (the caller drops
         CORRUPT records with :meth:`remove` and counts the use with :meth:`touch`)."""
         expected = fingerprint if fingerprint is not None else self._fingerprints.get(block_hash)
-        with self.env.begin(buffers=True) as txn:  # open until the copy is done: LMDB may reuse the pages after
+        with self.env.begin(buffers=True) as txn:
             value = txn.get(block_hash)
             if value is None:
                 return ReadStatus.MISSING
-            offset = self._records.cold_offset(value)
-            if offset is not None:
-                status = decode_file_into(self._records.fd, offset, value, namespace, out, expected)
-                if status is not None:
-                    self._records.trust()
-                    return status
-                self._records.doubt()  # not OK from the file: the map decides (a wrong offset drops nothing)
             return decode_into(value, namespace, out, expected)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -380,7 +365,6 @@ class DiskTier:
         """After the environment was closed without a sync (kvtier.testing.faults.abandon, a
         simulated crash): close the persisted index too, unsynced, so the directory can be
         reopened in this process."""
-        self._records.close()
         if self._index is not None:
             self._index.close()
             self._index = None
@@ -594,118 +578,6 @@ def put_record(txn, key: bytes, namespace: bytes, block: torch.Tensor, seq: int,
     if stored is None or len(stored) != HEADER_NBYTES + nbytes:
         raise lmdb.Error(f"a record just put reads back as {None if stored is None else len(stored)} bytes")
     ctypes.memmove(np.frombuffer(stored, dtype=np.uint8).ctypes.data, header, HEADER_NBYTES)
-
-
-class _MappedFile:
-    """Where LMDB's values lie in ``data.mdb``, for reading a record not in the page cache
-    with ``preadv`` instead of faulting it in through LMDB's map
-    (:func:`kvtier.records.decode_file_into`).
-
-    A value's file offset is its address less the start of the mapping that holds it plus
-    that mapping's file offset (LMDB maps the file from offset 0 in one ``mmap``; the
-    mappings are read from ``/proc/self/maps``, matched by inode and path, and read again
-    when an address falls outside them: LMDB maps anew when its map size changes). The offset
-    is a hint the reader verifies (the header read there must equal the mapped one, the
-    payload must hash to its checksum), never trusted: any doubt reads through the map.
-
-    Only records whose first or last page is not cached and up to date take the file (a
-    1-byte ``preadv`` with ``RWF_NOWAIT`` at each end: ``EAGAIN`` while a page is absent or
-    still being read; ``mincore`` counts pages under readahead I/O as resident, so it cannot
-    tell): a cached record copies faster out of the map (warm, ``pread`` + hash 7.6-8.6 GB/s
-    vs 9.8-12.6 from the map, bench/results/2026-12-02-disk-3/micro). Without
-    ``/proc/self/maps``, ``os.preadv`` or ``RWF_NOWAIT`` (not Linux, or a filesystem that
-    refuses it) every read takes the map.
-    """
-
-    _REFRESH_EVERY = 64  # reads outside the known mappings between two reads of /proc/self/maps
-    _MAX_DOUBTS = 16  # file reads in a row not OK: the file path is off for this tier
-
-    def __init__(self, path: Path) -> None:
-        self.fd = -1
-        self._ranges: tuple[tuple[int, int, int], ...] = ()  # (start, end, file offset) of each mapping
-        self._stale = True
-        self._outside = 0
-        self._doubts = 0
-        self._probe = bytearray(1)
-        if not (hasattr(os, "preadv") and hasattr(os, "RWF_NOWAIT") and os.path.exists("/proc/self/maps")):
-            return
-        try:
-            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            self._ino, self._real = os.fstat(self.fd).st_ino, os.path.realpath(path)
-        except OSError:
-            self.close()
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def cold_offset(self, value: memoryview) -> int | None:
-        """The file offset of ``value`` (an LMDB value of a live read transaction) when it
-        should be read from the file (its first or last page is not cached and up to date);
-        ``None``: read it through the map."""
-        offset = self.offset_of(value)
-        if offset is None:
-            return None
-        try:
-            if os.preadv(self.fd, [self._probe], offset, os.RWF_NOWAIT) == 1 and \
-                    os.preadv(self.fd, [self._probe], offset + len(value) - 1, os.RWF_NOWAIT) == 1:
-                return None  # cached at both ends: the map is faster
-        except BlockingIOError:  # EAGAIN: not cached, or still being read
-            return offset
-        except OSError:  # RWF_NOWAIT refused (EOPNOTSUPP): no file reads on this filesystem
-            self.close()
-            return None
-        return offset
-
-    def offset_of(self, value: memoryview) -> int | None:
-        """Where ``value`` starts in the file by the known mappings (unverified), ``None``
-        when no mapping holds it or the file path is off."""
-        if self.fd < 0 or self._doubts >= self._MAX_DOUBTS:
-            return None
-        address = np.frombuffer(value, dtype=np.uint8).ctypes.data
-        if self._stale:
-            self._refresh()
-        offset = self._offset(address)
-        if offset is None:  # mapped anew (LMDB resized its map)? look again, then once every _REFRESH_EVERY misses
-            self._outside += 1
-            if self._outside % self._REFRESH_EVERY != 1:
-                return None
-            self._refresh()
-            offset = self._offset(address)
-            if offset is None:
-                return None
-        self._outside = 0
-        return offset
-
-    def doubt(self) -> None:
-        """A file read was not OK: find the mappings again before the next, and after
-        ``_MAX_DOUBTS`` in a row stop reading from the file."""
-        self._doubts += 1
-        self._stale = True
-
-    def trust(self) -> None:
-        """A file read was OK."""
-        self._doubts = 0
-
-    def _offset(self, address: int) -> int | None:
-        for start, end, file_offset in self._ranges:
-            if start <= address < end:
-                return address - start + file_offset
-        return None
-
-    def _refresh(self) -> None:
-        ranges = []
-        try:
-            with open("/proc/self/maps") as maps:
-                for line in maps:
-                    fields = line.split(maxsplit=5)
-                    if len(fields) == 6 and int(fields[4]) == self._ino and fields[5].rstrip("\n") == self._real:
-                        start, end = (int(x, 16) for x in fields[0].split("-"))
-                        ranges.append((start, end, int(fields[2], 16)))
-        except (OSError, ValueError):
-            ranges = []
-        self._ranges, self._stale = tuple(ranges), False
 
 
 def record_footprint(payload_nbytes: int, page_nbytes: int = 4096) -> int:
