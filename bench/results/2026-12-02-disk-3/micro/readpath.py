@@ -17,7 +17,7 @@ for i in range(0, N, 32):
 rawp = root / "raw.bin"; raw_write(rawp, src, 32)
 orig = _MappedFile.cold_offset
 def setmode(m):  # map: main's path; pread: the file whatever is cached; auto: this branch
-    _MappedFile.cold_offset = {"map": lambda self, v: None, "pread": _MappedFile.offset_of, "auto": orig}[m]
+    _MappedFile.cold_offset = {"map": lambda self, k, v: None, "pread": lambda self, k, v: self.offset_of(v), "auto": orig}[m]
 def get():
     for j, h in enumerate(hs):
         assert disk.read_into(h, ns, dst[j], h) is ReadStatus.OK
