@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import enum
 import math
-import os
 import struct
 from typing import NamedTuple
 
@@ -224,88 +223,3 @@ def check_record(record: RecordHeader, checksum: int, fingerprint: bytes | None)
     if fingerprint is not None and fingerprint != record.fingerprint:
         return ReadStatus.TOKEN_MISMATCH
     return ReadStatus.OK
-
-
-def decode_file_into(
-    fd: int, offset: int, value: memoryview, namespace: bytes, out: torch.Tensor, fingerprint: bytes | None = None
-) -> ReadStatus | None:
-    """:func:`decode_into` with the record's bytes read from the file ``fd`` at byte
-    ``offset`` (``preadv``, chunk by chunk straight into ``out``, each chunk hashed while it is
-    in cache) instead of copied out of ``value``, the same record mapped in memory (an LMDB
-    value of a read transaction that the caller keeps open throughout).
-
-    One kernel copy per byte, with the file's sequential readahead: a record not in the page
-    cache comes in as fast as a ``readinto`` of the file, where faulting it in through the
-    map reaches ~0.75x that (issue 17, bench/results/2026-12-02-disk-3).
-
-    The offset is trusted only as far as it checks: the 128 header bytes read at ``offset``
-    must equal ``value``'s own (read through the map after the whole record was read, when its
-    first page is cached: a minor fault, no I/O), and the payload must hash to the header's
-    checksum.
-
-    Args:
-        fd: a file descriptor open for reading on the file ``value`` is mapped from.
-        offset: where ``value`` starts in that file, bytes.
-        value, namespace, out, fingerprint: as for :func:`decode_into`.
-
-    Returns:
-        ``OK`` under exactly :func:`decode_into`'s conditions (the bytes in ``out`` are then
-        the record's payload); ``None`` when the file does not hold ``value``'s header at
-        ``offset``, reads short or fails (``OSError``), or the record is anything but ``OK``:
-        the caller then decides through the map (:func:`decode_into`), so that a wrong
-        offset never turns a healthy record into ``CORRUPT``.
-    """
-    total = len(value)
-    payload_nbytes = out.numel() * out.element_size()
-    if total != HEADER_NBYTES + payload_nbytes or not payload_nbytes:
-        return None  # decode_into says why (a size that does not match is not this path's business)
-    header = bytearray(HEADER_NBYTES)
-    dst = out.view(torch.uint8).numpy().reshape(-1)
-    first = min(_CHUNK_NBYTES, payload_nbytes)
-    try:
-        if _preadv_full(fd, [header, dst[:first]], offset) != HEADER_NBYTES + first:
-            return None
-        record = parse_header(header, total)
-        if (
-            record is None
-            or record.namespace != namespace
-            or record.dtype != DTYPE_NAMES.get(out.dtype)
-            or record.shape != tuple(out.shape)
-        ):
-            return None
-        digest = record.digest(header)
-        digest.update(dst[:first])
-        for start in range(first, payload_nbytes, _CHUNK_NBYTES):
-            chunk = dst[start : start + _CHUNK_NBYTES]
-            if _preadv_full(fd, [chunk], offset + HEADER_NBYTES + start) != len(chunk):
-                return None
-            digest.update(chunk)
-    except OSError:
-        return None
-    # Compared last: touching the map while the file's readahead runs ahead can take its
-    # readahead marker (a fault on a page marked for readahead starts the map's readahead
-    # instead), stalling the next pread; by now the page is cached and unmarked (a minor fault).
-    if header != value[:HEADER_NBYTES]:
-        return None  # not this record's bytes: a stale or wrong offset
-    status = check_record(record, digest.intdigest(), fingerprint)
-    return status if status is ReadStatus.OK else None
-
-
-def _preadv_full(fd: int, buffers: list, offset: int) -> int:
-    """``os.preadv`` until ``buffers`` are full or the file ends; the bytes read."""
-    want = sum(len(b) for b in buffers)
-    got = os.preadv(fd, buffers, offset)
-    while 0 < got < want:  # a short read (a signal, the end of the file): read on from where it stopped
-        rest, skip = [], got
-        for b in buffers:
-            view = memoryview(b).cast("B")
-            if skip >= len(view):
-                skip -= len(view)
-                continue
-            rest.append(view[skip:])
-            skip = 0
-        more = os.preadv(fd, rest, offset + got)
-        if more <= 0:
-            break
-        got += more
-    return got

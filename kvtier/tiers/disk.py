@@ -28,16 +28,10 @@ second memory-bound copy: store() into a full CPU slab 0.54x -> 0.78x a raw writ
 bench/transfers.py, issue 17).
 
 Reads copy the payload straight out of LMDB's map into the destination (one copy, hashed
-chunk by chunk while hot: :func:`kvtier.records.decode_into`). A record this process has not
-touched through the map yet (written or read: after a restart, every record) is read with
-``preadv`` from ``data.mdb`` at its file offset instead (:class:`_MappedFile`,
-:func:`kvtier.records.decode_file_into`: one kernel copy per byte with the file's sequential
-readahead, like a ``readinto``, where the map faults it in); its bytes are verified as
-on the map path plus its header against the mapped one, and anything but ``OK`` is decided
-through the map, so a wrong offset never drops a record. Measured and left out
-(bench/results/2026-12-01-perf/disk.txt, 2026-12-02-perf-disk): ``pread`` of cached records
-(slower than the map copy), ``MADV_RANDOM`` plus ``MADV_WILLNEED`` per record (cold reads 20x
-slower), ``WILLNEED`` windows ahead of a chain (no gain beyond the storage's noise).
+chunk by chunk while hot: :func:`kvtier.records.decode_into`); a cold record comes in by
+the kernel's fault readahead (``read_ahead_kb``, 8 MiB on the test VM). Measured and left
+out (bench/results/2026-12-01-perf/disk.txt): ``pread`` into the destination (slower when
+warm), and ``MADV_RANDOM`` plus ``MADV_WILLNEED`` per record (cold reads 20x slower).
 
 Accounting: ``used_bytes`` is the sum of record footprints, each rounded up to whole LMDB
 pages as LMDB stores large values on overflow pages; it never exceeds ``capacity_bytes``.
@@ -65,8 +59,7 @@ except ImportError:  # only the DISK tier needs it; GPU/CPU tiers run without
     lmdb = None  # type: ignore[assignment]
 
 from kvtier.records import (
-    HEADER_NBYTES, VERSION, ReadStatus, decode_file_into, decode_into, encode_header, encode_record, parse_header,
-    record_version,
+    HEADER_NBYTES, VERSION, ReadStatus, decode_into, encode_header, encode_record, parse_header, record_version,
 )
 from kvtier.tiers.disk_index import DiskIndex, IndexDamaged, IndexEntry, open_index, remove_index
 from kvtier.tiers.lru import SegmentedLRU
@@ -123,7 +116,6 @@ class DiskTier:
         self._seq = 0
         self._lock = threading.RLock()
         self.read_only = False
-        self._records = _MappedFile(self.path / "data.mdb")
         self._rebuild_index()
 
     def after_fork_in_child(self) -> None:
@@ -138,8 +130,7 @@ class DiskTier:
             self._index = None
         self._lock = threading.RLock()
         self.read_only = True
-        self._records.close()  # the inherited descriptor is shared with the parent (its file offset too)
-        self._records = _MappedFile(self.path / "data.mdb")  # and this process maps the file elsewhere  # the parent's flock stays the parent's
+        self._lock_file = None  # the parent's flock stays the parent's
 
     # -- accounting ------------------------------------------------------------------------
     def footprint(self, payload_nbytes: int) -> int:
@@ -281,7 +272,6 @@ class DiskTier:
             size = self._foreign.pop(h)
             self._used -= size
             self._foreign_used -= size
-        self._records.mapped.update(h for h, _ in staged)  # written through the map (writemap)
         for h, entry in staged:
             self._lru.add(h, entry.footprint)
             self._fingerprints[h] = entry.fingerprint
@@ -326,7 +316,6 @@ class DiskTier:
                                "reset it from the process that opened it")
         with self._lock:
             dropped = _drop_all(self.env)
-            self._records.mapped.clear()
             self._lru.clear()
             self._fingerprints.clear()
             self._foreign.clear()
@@ -336,7 +325,6 @@ class DiskTier:
             return dropped
 
     def _forget(self, block_hash: BlockHash, evicted: bool = False) -> None:
-        self._records.mapped.discard(block_hash)
         if block_hash in self._lru:
             self._used -= self._lru.pop(block_hash, evicted=evicted)
             self._fingerprints.pop(block_hash, None)
@@ -351,21 +339,10 @@ class DiskTier:
         caller must not use it). Thread-safe; changes no index state (the caller drops
         CORRUPT records with :meth:`remove` and counts the use with :meth:`touch`)."""
         expected = fingerprint if fingerprint is not None else self._fingerprints.get(block_hash)
-        with self.env.begin(buffers=True) as txn:  # open until the copy is done: LMDB may reuse the pages after
+        with self.env.begin(buffers=True) as txn:
             value = txn.get(block_hash)
             if value is None:
                 return ReadStatus.MISSING
-            records = self._records
-            offset = records.cold_offset(block_hash, value)
-            if offset is not None:
-                status = decode_file_into(records.fd, offset, value, namespace, out, expected)
-                records.mapped.add(block_hash)  # its header was compared through the map: the next read maps it
-                if status is not None:
-                    records.trust()
-                    return status
-                records.doubt()  # not OK from the file: the map decides (a wrong offset drops nothing)
-            else:
-                records.mapped.add(block_hash)
             return decode_into(value, namespace, out, expected)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -388,7 +365,6 @@ class DiskTier:
         """After the environment was closed without a sync (kvtier.testing.faults.abandon, a
         simulated crash): close the persisted index too, unsynced, so the directory can be
         reopened in this process."""
-        self._records.close()
         if self._index is not None:
             self._index.close()
             self._index = None
@@ -602,112 +578,6 @@ def put_record(txn, key: bytes, namespace: bytes, block: torch.Tensor, seq: int,
     if stored is None or len(stored) != HEADER_NBYTES + nbytes:
         raise lmdb.Error(f"a record just put reads back as {None if stored is None else len(stored)} bytes")
     ctypes.memmove(np.frombuffer(stored, dtype=np.uint8).ctypes.data, header, HEADER_NBYTES)
-
-
-class _MappedFile:
-    """Where LMDB's values lie in ``data.mdb``, for reading a record with ``preadv`` instead
-    of faulting it in through LMDB's map (:func:`kvtier.records.decode_file_into`).
-
-    A value's file offset is its address less the start of the mapping that holds it plus
-    that mapping's file offset (LMDB maps the file from offset 0 in one ``mmap``; the
-    mappings are read from ``/proc/self/maps``, matched by inode and path, and read again
-    when an address falls outside them: LMDB maps anew when its map size changes). The offset
-    is a hint the reader verifies (the header read there must equal the mapped one, the
-    payload must hash to its checksum), never trusted: any doubt reads through the map.
-
-    Which records take the file: those this process has not yet touched through the map
-    (``mapped``: written, or read once already). A record in this process's page tables
-    copies faster out of the map (warm, ``pread`` + hash 7.6-8.6 GB/s vs 9.8-12.6 from the
-    map); one that is not is either not in the page cache, where ``pread`` gets the file's
-    sequential readahead (cold, medians of 16 paired runs 1.99 vs 1.80 GB/s, raw ``readinto``
-    2.42), or cached and unmapped, where the map would fault in every page anyway. Page-cache
-    probes cannot choose: LMDB's get touches a large value's first page through the map,
-    whose fault readahead (8 MiB around it) brings the record in before any probe
-    (bench/results/2026-12-02-disk-3). Without ``/proc/self/maps`` or ``os.preadv`` (not
-    Linux) every read takes the map.
-    """
-
-    _REFRESH_EVERY = 64  # reads outside the known mappings between two reads of /proc/self/maps
-    _MAX_DOUBTS = 16  # file reads in a row not OK: the file path is off for this tier
-
-    def __init__(self, path: Path) -> None:
-        self.fd = -1
-        self._ranges: tuple[tuple[int, int, int], ...] = ()  # (start, end, file offset) of each mapping
-        self._stale = True
-        self._outside = 0
-        self._doubts = 0
-        self.mapped: set[bytes] = set()  # keys of records in this process's page tables (written or read)
-        if not (hasattr(os, "preadv") and os.path.exists("/proc/self/maps")):
-            return
-        try:
-            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            self._ino, self._real = os.fstat(self.fd).st_ino, os.path.realpath(path)
-        except OSError:
-            self.close()
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def cold_offset(self, key: bytes, value: memoryview) -> int | None:
-        """The file offset of ``value`` (the LMDB value of ``key`` in a live read
-        transaction) when it should be read from the file (not touched through this
-        process's map yet); ``None``: read it through the map."""
-        if key in self.mapped:
-            return None
-        return self.offset_of(value)
-
-    def offset_of(self, value: memoryview) -> int | None:
-        """Where ``value`` starts in the file by the known mappings (unverified), ``None``
-        when no mapping holds it or the file path is off."""
-        if self.fd < 0 or self._doubts >= self._MAX_DOUBTS:
-            return None
-        address = np.frombuffer(value, dtype=np.uint8).ctypes.data
-        if self._stale:
-            self._refresh()
-        offset = self._offset(address)
-        if offset is None:  # mapped anew (LMDB resized its map)? look again, then once every _REFRESH_EVERY misses
-            self._outside += 1
-            if self._outside % self._REFRESH_EVERY != 1:
-                return None
-            self._refresh()
-            offset = self._offset(address)
-            if offset is None:
-                return None
-        self._outside = 0
-        return offset
-
-    def doubt(self) -> None:
-        """A file read was not OK: find the mappings again before the next, and after
-        ``_MAX_DOUBTS`` in a row stop reading from the file."""
-        self._doubts += 1
-        self._stale = True
-
-    def trust(self) -> None:
-        """A file read was OK."""
-        self._doubts = 0
-
-    def _offset(self, address: int) -> int | None:
-        for start, end, file_offset in self._ranges:
-            if start <= address < end:
-                return address - start + file_offset
-        return None
-
-    def _refresh(self) -> None:
-        ranges = []
-        try:
-            with open("/proc/self/maps") as maps:
-                for line in maps:
-                    fields = line.split(maxsplit=5)
-                    if len(fields) == 6 and int(fields[4]) == self._ino and fields[5].rstrip("\n") == self._real:
-                        start, end = (int(x, 16) for x in fields[0].split("-"))
-                        ranges.append((start, end, int(fields[2], 16)))
-        except (OSError, ValueError):
-            ranges = []
-        if tuple(ranges) != self._ranges:
-            self.mapped.clear()  # mapped anew: nothing is in the page tables of the new mapping
-        self._ranges, self._stale = tuple(ranges), False
 
 
 def record_footprint(payload_nbytes: int, page_nbytes: int = 4096) -> int:
