@@ -234,6 +234,22 @@ def raw_write(path: Path, blocks: "torch.Tensor", chunk: int) -> None:
                 view = view[f.write(view) :]
 
 
+RAW_WRITE_BASELINE = "raw write over cached file, no fsync"
+RAW_WRITE_NOTE = (
+    "Raw write baselines (tiers.py and transfers.py alike): a sequential write of the same bytes in the same chunks "
+    "over a file written once before the measurement, so its pages are cached (as LMDB reuses its freed, cached "
+    "pages); no fsync on either side. On the test VM a new file writes at ~0.5x that and a file dropped from the "
+    "page cache at ~0.8x (bench/results/2026-12-02-disk-3/micro/rawwrite.log)."
+)
+
+
+def prime_raw_file(path: Path, blocks: "torch.Tensor", chunk: int) -> Path:
+    """Write ``blocks`` to ``path`` once (untimed), so that the timed :func:`raw_write` runs
+    overwrite cached pages (:data:`RAW_WRITE_NOTE`). Returns ``path``."""
+    raw_write(path, blocks, chunk)
+    return path
+
+
 def raw_read(path: Path, out: "torch.Tensor", chunk: int) -> None:
     """Sequential ``readinto`` of ``path`` into the preallocated ``out``."""
     with open(path, "rb", buffering=0) as f:

@@ -17,8 +17,9 @@ in the same run:
 - CPU -> GPU promotion: ``load`` of blocks held only in the CPU slab under a GPU pool (H2D on
   CUDA). Baseline: torch copy from a (pinned) host tensor to the pool's device.
 - DISK put / get: ``DiskTier.write_batch`` in batches of ``--disk-batch``; ``DiskTier.read_into``
-  per block, page cache warm. Baselines: a raw sequential write of the same bytes to one file
-  (overwritten in place; no fsync for either, as LMDB runs with ``sync=False``) and a
+  per block, page cache warm. Baselines: a raw sequential write of the same bytes over a file
+  written just before (cached pages overwritten in place; no fsync for either, as LMDB runs with
+  ``sync=False``; :data:`bench.common.RAW_WRITE_NOTE`, the same as bench/transfers.py's) and a
   ``readinto`` of that file into a preallocated tensor.
 - DISK get, page cache dropped: the tier closed, its files dropped from the page cache
   (``--drop-caches``), reopened, then read as above. Baseline: ``readinto`` of the raw file
@@ -50,7 +51,7 @@ if __package__ in (None, ""):  # run as a script (python bench/tiers.py): make `
 import torch  # noqa: E402
 
 from bench.common import Case, Row, raw_read, raw_write, Stat, apply_threads, arg_parser, measure, print_table, write_outputs  # noqa: E402
-from bench.common import drop_page_cache, io_read_bytes  # noqa: E402
+from bench.common import RAW_WRITE_BASELINE, RAW_WRITE_NOTE, drop_page_cache, io_read_bytes, prime_raw_file  # noqa: E402
 from bench.disk_open import open_rows  # noqa: E402
 from kvtier.config import StoreConfig, parse_bytes  # noqa: E402
 from kvtier.hashing import KeyContext  # noqa: E402
@@ -294,8 +295,9 @@ def bench_disk(b: Bench) -> list[Row]:
         state["cold_read"] = io_read_bytes() - state["read_bytes"]
 
     try:
+        prime_raw_file(raw_path, b.src, B)
         rows = [b.row(f"DISK put: write_batch({B})", Case(put, before_put),
-                      Case(lambda: raw_write(raw_path, b.src, B)), "raw file write, no fsync")]
+                      Case(lambda: raw_write(raw_path, b.src, B)), RAW_WRITE_BASELINE)]
         rows.append(b.row("DISK get: read_into, page cache warm", Case(get, lambda: b.poison(b.dst)),
                           Case(lambda: raw_read(raw_path, b.dst, B)), "raw file readinto"))
         b.check(b.dst, b.src, "DISK get")
@@ -313,7 +315,10 @@ def bench_disk(b: Bench) -> list[Row]:
 def bench_store_disk(b: Bench) -> list[Row]:
     """Store-level DISK paths: spill (store into a full CPU slab) and promotion (DISK -> CPU)."""
     store = b.store(cpu_blocks=b.num_blocks, disk_blocks=2 * b.num_blocks)
-    disk, raw_path, R = store.disk, b.work_dir / "raw.bin", b.request_blocks
+    disk, R = store.disk, b.request_blocks
+    # its own raw file, written just before: tiers' raw.bin was dropped from the page cache by
+    # the cold-read row, and the write baselines overwrite cached pages (RAW_WRITE_NOTE)
+    raw_path = prime_raw_file(b.work_dir / "raw-spill.bin", b.src, b.disk_batch)
     assert disk is not None
     try:
         state = {"hashes": b.fresh_chain()}
@@ -325,7 +330,7 @@ def bench_store_disk(b: Bench) -> list[Row]:
 
         spill = Case(lambda: put_requests(store, state["hashes"], b.src, R, b.fingerprints), before_spill)
         rows = [b.row("DISK spill: store() into full CPU slab", spill,
-                      Case(lambda: raw_write(raw_path, b.src, b.disk_batch)), "raw file write, no fsync")]
+                      Case(lambda: raw_write(raw_path, b.src, b.disk_batch)), RAW_WRITE_BASELINE)]
         # DISK holds the chain before the last, the slab the last: loading them in turn promotes
         # from DISK only (the warm-up load also spills the last chain, which is not on DISK yet).
         chains, turn = [state["prev"], state["hashes"]], itertools.count()
@@ -399,7 +404,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         f"{args.stat} of {args.repeats} after 1 warm-up; GPU pool on {device}; {threads} torch threads; "
         "DISK: LMDB sync=False vs raw file without fsync, page cache warm unless said"
     )
-    print_table(title, rows, footnote="\n".join(filter(None, [LMCACHE_NOTE, lmcache_terms(rows), *b.notes])))
+    print_table(title, rows, footnote="\n".join(filter(None, [LMCACHE_NOTE, lmcache_terms(rows), *b.notes, RAW_WRITE_NOTE])))
     write_outputs(args, NAME, rows)
     return rows
 

@@ -11,8 +11,9 @@ Rows (2 MiB blocks, ``--total-bytes`` moved per measurement, each beside a same-
   (memcpy bandwidth, torch's default threads).
 - CPU -> DISK spill: evicting every block of a full CPU slab, each spilling to DISK (the
   store's eviction path; batched LMDB write transactions). Also ``TieredStore.store`` of new
-  blocks into a full slab, which adds copying them in. Baseline: a raw sequential write of the spilled bytes to one
-  file, overwritten in place (no fsync on either side: LMDB runs with ``sync=False``).
+  blocks into a full slab, which adds copying them in. Baseline: a raw sequential write of the spilled bytes over a
+  file written just before (cached pages overwritten in place; no fsync on either side: LMDB runs with
+  ``sync=False``; :data:`bench.common.RAW_WRITE_NOTE`, the same as bench/tiers.py's).
 - Overlap: a random-weight model with SmolLM2-135M's exact architecture; a 2,048-token
   history on DISK only (fresh store); the request arrives, the engine is busy for
   ``--busy-ms`` (a sleep: the device busy with other requests' decode steps), then
@@ -37,7 +38,10 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from bench.common import Case, Row, apply_threads, arg_parser, measure, print_table, raw_write, write_json, write_plot  # noqa: E402
+from bench.common import (  # noqa: E402
+    RAW_WRITE_BASELINE, RAW_WRITE_NOTE, Case, Row, apply_threads, arg_parser, measure, print_table, prime_raw_file, raw_write,
+    write_json, write_plot,
+)
 from kvtier.config import StoreConfig, parse_bytes  # noqa: E402
 from kvtier.hashing import KeyContext, block_hashes_for  # noqa: E402
 from kvtier.store import TieredStore  # noqa: E402
@@ -84,7 +88,7 @@ def disk_rows(root: Path, total_bytes: int, repeats: int, threads: int) -> list[
 
     src, dst = torch.empty(n * SPEC.block_nbytes, dtype=torch.uint8), torch.empty(n * SPEC.block_nbytes, dtype=torch.uint8)
     src.copy_(blocks.view(torch.uint8).reshape(-1))
-    raw = root / "raw.bin"
+    raw = prime_raw_file(root / "raw.bin", blocks, 32)
 
     def prefetch() -> None:
         result = store.prefetch(hashes).wait()
@@ -104,9 +108,9 @@ def disk_rows(root: Path, total_bytes: int, repeats: int, threads: int) -> list[
         Row(f"DISK -> CPU prefetch, {threads} I/O threads", read.throughput(nbytes, "best"), "GB/s",
             memcpy.throughput(nbytes, "best"), "memcpy (torch copy_)"),
         Row("CPU -> DISK spill: evict a full CPU slab", spilled.throughput(nbytes, "best"), "GB/s",
-            write.throughput(nbytes, "best"), "raw sequential write"),
+            write.throughput(nbytes, "best"), RAW_WRITE_BASELINE),
         Row("store() into a full CPU slab (copy in + spill)", stored.throughput(nbytes, "best"), "GB/s",
-            write.throughput(nbytes, "best"), "raw sequential write"),
+            write.throughput(nbytes, "best"), RAW_WRITE_BASELINE),
     ]
 
 
@@ -200,7 +204,7 @@ def main() -> None:
         print("Prefetch timeline (ms from the request's arrival):")
         for name, ms in timeline:
             print(f"  {ms:8.1f}  {name}")
-    print_table("kvtier transfers (CPU)", rows)
+    print_table("kvtier transfers (CPU)", rows, footnote=RAW_WRITE_NOTE)
     if args.json:
         write_json(args.json, NAME, rows)
     if args.plot:
