@@ -149,6 +149,7 @@ def test_a_frame_over_the_cap_closes_the_channel_with_1009(daemon_with_blocks):
         channel.close()
 
 
+@pytest.mark.slow  # waits out the daemon's idle timeout: full suite only
 def test_a_frame_that_trickles_is_cut_after_the_idle_timeout(daemon_with_blocks):
     """Half a frame, then nothing: the connection counts as idle between frames and is closed
     after idle_timeout_s (1 s here), whatever was sent of the frame."""
@@ -166,6 +167,7 @@ def test_a_frame_that_trickles_is_cut_after_the_idle_timeout(daemon_with_blocks)
         assert data == b"" and 0.9 < time.monotonic() - start < 5.0
 
 
+@pytest.mark.slow  # waits out the daemon's idle timeout: full suite only
 def test_an_idle_channel_is_closed_and_the_client_reconnects(daemon_with_blocks):
     remote = RemoteTier(daemon_with_blocks.url, token=TOKEN_A, timeout_s=5.0)
     try:
@@ -336,6 +338,7 @@ def test_an_unproven_upgrade_is_refused_over_signed_sessions(secure_daemon):
         remote.close()
 
 
+@pytest.mark.slow  # waits out a daemon's shutdown: full suite only
 def test_a_daemon_with_open_channels_stops_at_once(secure_daemon):
     """Open channels waiting for their next frame do not hold the shutdown for
     shutdown_timeout_s: they are closed when the daemon stops."""
