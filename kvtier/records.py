@@ -179,6 +179,22 @@ def failed_header_status(value: bytes | memoryview) -> ReadStatus:
     return ReadStatus.OTHER_VERSION if version is not None and version != VERSION else ReadStatus.CORRUPT
 
 
+def _header_for(value: memoryview, namespace: bytes, out: torch.Tensor) -> "RecordHeader | ReadStatus":
+    """The header of ``value`` if it is a record of ``namespace`` with ``out``'s dtype, shape
+    and size; else the read's status (``CORRUPT``, or ``OTHER_VERSION`` for another format)."""
+    record = parse_header(value, len(value))
+    if record is None:
+        return failed_header_status(value)
+    if (
+        record.namespace != namespace
+        or record.dtype != DTYPE_NAMES.get(out.dtype)
+        or record.shape != tuple(out.shape)
+        or record.payload_nbytes != out.numel() * out.element_size()
+    ):
+        return ReadStatus.CORRUPT
+    return record
+
+
 def decode_into(value: memoryview, namespace: bytes, out: torch.Tensor, fingerprint: bytes | None = None) -> ReadStatus:
     """Verify the whole record ``value`` and copy its payload into ``out`` (a contiguous CPU
     tensor of the expected shape and dtype).
@@ -190,16 +206,9 @@ def decode_into(value: memoryview, namespace: bytes, out: torch.Tensor, fingerpr
         record of another format version; ``CORRUPT`` otherwise. Unless ``OK``, ``out`` may
         hold partial or other bytes: never use them.
     """
-    record = parse_header(value, len(value))
-    if record is None:
-        return failed_header_status(value)
-    if (
-        record.namespace != namespace
-        or record.dtype != DTYPE_NAMES.get(out.dtype)
-        or record.shape != tuple(out.shape)
-        or record.payload_nbytes != out.numel() * out.element_size()
-    ):
-        return ReadStatus.CORRUPT
+    record = _header_for(value, namespace, out)
+    if isinstance(record, ReadStatus):
+        return record
     # Copy in cache-sized chunks and hash each chunk from the destination while it is hot:
     # one pass over memory instead of two, and the check covers exactly the bytes delivered.
     digest = record.digest(value)
@@ -245,16 +254,9 @@ def decode_into_view(value: memoryview, namespace: bytes, out: torch.Tensor, fin
         as :func:`decode_into`. Unless ``OK``, ``out`` may hold partial or other bytes:
         never use them.
     """
-    record = parse_header(value, len(value))
-    if record is None:
-        return failed_header_status(value)
-    if (
-        record.namespace != namespace
-        or record.dtype != DTYPE_NAMES.get(out.dtype)
-        or record.shape != tuple(out.shape)
-        or record.payload_nbytes != out.numel() * out.element_size()
-    ):
-        return ReadStatus.CORRUPT
+    record = _header_for(value, namespace, out)
+    if isinstance(record, ReadStatus):
+        return record
     digest = record.digest(value)
     if record.payload_nbytes:
         src = np.frombuffer(value, dtype=np.uint8, offset=HEADER_NBYTES)

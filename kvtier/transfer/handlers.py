@@ -146,20 +146,7 @@ class DiskHandler(_IOHandler):
         self.disk, self.pool, self.namespace, self.executor = disk, pool, namespace, executor
 
     def _read(self, job: TransferJob) -> JobResult:
-        ok: list[bool] = []
-        reasons: dict[int, str] = {}
-        expected = job.fingerprints or [None] * len(job.block_hashes)
-        for i, (h, slot, fingerprint) in enumerate(zip(job.block_hashes, job.dst_ids, expected)):
-            try:
-                status = self.disk.read_into(h, self.namespace, self.pool.tensor[slot], fingerprint).value
-            except Exception as exc:  # one bad read fails one block, not the job
-                logger.warning("DISK read of block %s failed: %s", h.hex()[:16], exc)
-                status = "error"
-            ok.append(status == ReadStatus.OK.value)
-            if not ok[-1]:
-                reasons[i] = status
-        nbytes = sum(ok) * self.pool.spec.block_nbytes
-        return JobResult(job.job_id, ok, reasons, nbytes)
+        return self._read_slots(job, [ReadStatus.OK.value] * len(job.block_hashes))
 
     def start(self, job: TransferJob) -> Pending:
         """A read with sinks (``job.sinks``) runs in two tasks: the reads into the sinks,
@@ -205,9 +192,10 @@ class DiskHandler(_IOHandler):
         return _FuturePending(done)
 
     def _read_slots(self, job: TransferJob, statuses: list[str]) -> JobResult:
-        """The second task of a read with sinks: each block its sink got is read again into
-        its slot, verified again there (:meth:`DiskTier.read_into`); a block that failed into
-        its sink keeps that status."""
+        """Each block whose status is still ``ok`` is read into its slot and verified there
+        (:meth:`DiskTier.read_into`); the others keep their status. A plain read starts with
+        every block ``ok``; a read with sinks (its second task) passes what the reads into its
+        sinks found."""
         ok: list[bool] = []
         reasons: dict[int, str] = {}
         expected = job.fingerprints or [None] * len(job.block_hashes)
