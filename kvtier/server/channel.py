@@ -35,7 +35,8 @@ code 1009 (message too big), before it is buffered whole.
 Deadlines as for HTTP keep-alives (kvtier.server.connections): between frames the
 connection counts as idle (closed after ``idle_timeout_s`` without a complete frame, a
 frame that trickles included; the first to go when ``--max-connections`` is exceeded); a
-frame being answered has ``request_timeout_s``. A channel waiting for its next frame does not
+frame being answered has ``request_timeout_s``. A client that goes away mid-reply ends its
+channel quietly (no error logged). A channel waiting for its next frame does not
 hold the daemon's shutdown (aiohttp closes it; tests/security/test_channel.py).
 """
 
@@ -108,6 +109,8 @@ async def serve(request: web.Request, max_frame_nbytes: int, checks: tuple) -> w
                 if msg.type is WSMsgType.ERROR:
                     LOG.log(logger, logging.INFO, "channel error", "channel: %s", msg.data)
                 break
+    except ConnectionResetError:  # the client went away mid-reply (as a get's: kvtier.server.frames)
+        logger.debug("channel: client went away")
     finally:
         Supervisor.end(conn)
     return ws

@@ -358,3 +358,31 @@ def test_a_daemon_with_open_channels_stops_at_once(secure_daemon):
         except ConnectionResetError:
             pass
         sock.close()
+
+
+def test_a_client_that_goes_away_mid_reply_is_not_logged_as_an_error(daemon_with_blocks, caplog, monkeypatch):
+    """A client that resets its channel while replies are still being written (its deadline
+    passed, it crashed) ends the channel quietly, as a get whose client went away: no
+    "Error handling request" traceback (aiohttp's 500 path) for every such client."""
+    import logging
+    import struct
+
+    from kvtier.server import errors
+
+    monkeypatch.setattr(errors.LOG, "allow", lambda kind: 0)  # nothing left out by the rate limit
+    caplog.set_level(logging.DEBUG)
+    frame = _client_frame(0x2, pack({"op": "lookup", "namespace": NS.hex(), "block_hashes": hashes(16)}))
+    for _ in range(5):
+        sock, status, _ = _open(daemon_with_blocks)
+        assert status == 101
+        sock.sendall(frame * 300)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # a reset, the replies unread
+    time.sleep(0.5)
+    channel = Channel(_open(daemon_with_blocks)[0])
+    try:
+        assert _lookup(channel)["num_blocks"] == 3  # still serving
+    finally:
+        channel.close()
+    loud = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not loud, [r.getMessage() for r in loud]
