@@ -121,10 +121,7 @@ class DaemonClient:
         """Release the pooled connections; later calls are misses. Idempotent."""
         self._closed = True
         self._pool.close()
-        with self._lock:
-            channels, self._channels = self._channels, []
-        for channel in channels:
-            channel.close()
+        self._drop_channels()
 
     # -- the lookup channel -----------------------------------------------------------------------
     def _offer_channel(self, path: object) -> None:

@@ -24,8 +24,9 @@ it is rebuilt once from the records' headers.
 Writes copy each block once: LMDB copies a CPU pool slot, framed by the 128 bytes before it,
 straight into its map and the header is written over the frame in the transaction's own pages
 (:func:`put_record`; py-lmdb has no ``MDB_RESERVE``, and a record built in a buffer first cost a
-second memory-bound copy: store() into a full CPU slab 0.54x -> 0.78x a raw write in
-bench/transfers.py, issue 17).
+second memory-bound copy: store() into a full CPU slab in bench/transfers.py went from
+0.60-0.71x to 0.70-0.81x of a raw write in three before/after sittings,
+bench/results/2026-12-02-perf-disk/README.md; issue 17).
 
 Reads copy the payload straight out of LMDB's map into the destination (one copy, hashed
 chunk by chunk while hot: :func:`kvtier.records.decode_into`); a cold record comes in by
@@ -59,9 +60,9 @@ except ImportError:  # only the DISK tier needs it; GPU/CPU tiers run without
     lmdb = None  # type: ignore[assignment]
 
 from kvtier.records import (
-    HEADER_NBYTES, VERSION, ReadStatus, decode_into, encode_header, encode_record, parse_header, record_version,
+    HEADER_NBYTES, VERSION, ReadStatus, decode_into, decode_into_view, encode_header, encode_record, parse_header,
+    record_version,
 )
-from kvtier.records import decode_into_view
 from kvtier.tiers.disk_index import DiskIndex, IndexDamaged, IndexEntry, open_index, remove_index
 from kvtier.tiers.lru import SegmentedLRU
 from kvtier.types import NO_FINGERPRINT, BlockHash, Fingerprint, Medium

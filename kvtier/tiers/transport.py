@@ -301,10 +301,7 @@ def quick_request(pool, host_header: str, method: str, url: str, body: bytes, he
         if ctx.signer is not None:
             value, ctx.counter = ctx.signer(method, url, endpoint(sock.getpeername()))
             lines.append(f"Authorization: {value}")
-        try:
-            sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
-        except (BrokenPipeError, ConnectionResetError):
-            raise _Stale from None
+        _send_request(sock, lines, body)
         status, reply_headers, rest = _read_head(sock)
     except _Stale:
         conn.close()
@@ -337,6 +334,15 @@ def quick_request(pool, host_header: str, method: str, url: str, body: bytes, he
 
 class _Stale(Exception):
     """The connection was closed or reset before any byte of the reply came."""
+
+
+def _send_request(sock: socket.socket, lines: list[str], body: bytes = b"") -> None:
+    """One ``sendall`` of a request's line and headers (``lines``) and ``body``; raises
+    :class:`_Stale` when the connection turns out closed (a keep-alive the daemon dropped)."""
+    try:
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
+    except (BrokenPipeError, ConnectionResetError):
+        raise _Stale from None
 
 
 def _read_head(sock: socket.socket, upgrade: bool = False) -> tuple[int, dict[str, str], bytes]:
@@ -526,10 +532,7 @@ class Channel:
                  f"Sec-WebSocket-Key: {key.decode()}", "Sec-WebSocket-Version: 13",
                  f"Sec-WebSocket-Protocol: {CHANNEL_PROTOCOL}", "Content-Length: 0"]
         lines += [f"{k}: {v}" for k, v in headers.items()]
-        try:
-            sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-        except (BrokenPipeError, ConnectionResetError):
-            raise _Stale from None
+        _send_request(sock, lines)
         status, reply, rest = _read_head(sock, upgrade=True)
         if status == 101:
             accept = base64.b64encode(hashlib.sha1(key + _WS_GUID).digest()).decode()
