@@ -207,22 +207,28 @@ async def receive_blocks(request: web.Request, registry: "Registry", entry: "Nam
     reader = FrameReader(request.content, BodyClock(settings.grace_s, settings.min_rate_bytes_per_s))
     stored: list[bool] = []
     batch: _Batch | None = None
+    direct = _Direct.of(registry, entry)
     try:
         while (record := await _next_frame(reader, entry, settings, len(stored))) is not None:
             block_hash, header, record = record
-            if batch is None:  # staging is taken once a first frame proves the body is a put
+            index = len(stored)
+            stored.append(False)
+            digest = record.digest(header)
+            handle = None if direct is None else await direct.reserve(block_hash, record.fingerprint)
+            if handle is not None:  # straight into its pool slot
+                ok = await direct.receive(reader, handle, digest, record.checksum, index)
+                if not ok:
+                    _rejected(entry, index)
+                continue
+            if batch is None:  # staging is taken once a frame needs it
                 batch = await _Batch.start(registry, entry, stored, staging, _expected_frames(request, entry))
             if block_hash in batch.hashes:  # a repeat within one store call would end its chain
                 await batch.flush()
-            digest = record.digest(header)
-            await _payload(reader, batch.slot(), digest, len(stored))
-            stored.append(False)
+            await _payload(reader, batch.slot(), digest, index)
             if digest.intdigest() == record.checksum:
-                batch.add(block_hash, len(stored) - 1, record.fingerprint)
+                batch.add(block_hash, index, record.fingerprint)
             else:
-                entry.rejected_blocks += 1
-                LOG.log(logger, logging.WARNING, "put checksum", "put: frame %d of %s failed its checksum; not "
-                        "stored", len(stored) - 1, entry.label)
+                _rejected(entry, index)
             if batch.full:
                 await batch.flush()
         if await reader.read(1):
@@ -230,6 +236,8 @@ async def receive_blocks(request: web.Request, registry: "Registry", entry: "Nam
         if batch is not None:
             await batch.flush()
             await batch.drain()
+        if direct is not None:
+            await direct.acknowledge(stored)
     except Expired as exc:
         reset(request.transport)
         raise error(web.HTTPRequestTimeout, f"put body: {exc}") from None
@@ -237,6 +245,12 @@ async def receive_blocks(request: web.Request, registry: "Registry", entry: "Nam
         if batch is not None:
             await batch.release()
     return stored
+
+
+def _rejected(entry: "Namespace", index: int) -> None:
+    entry.rejected_blocks += 1
+    LOG.log(logger, logging.WARNING, "put checksum", "put: frame %d of %s failed its checksum; not stored", index,
+            entry.label)
 
 
 async def _next_frame(reader: FrameReader, entry: "Namespace", settings: "ServeConfig", i: int):
@@ -368,6 +382,115 @@ class _Batch:
             self.entry.give_staging(buffer)
         self.buffers = []
         self.staging.give(self.nbytes)
+
+
+class _Direct:
+    """A put's frames received straight into top-pool slots: one copy of each payload byte
+    (aiohttp's receive buffer -> the slot), hashed piece by piece as it is copied, where the
+    staging path copies it twice (-> staging buffer -> slot).
+
+    Per frame, once its header is checked: ``prepare_store`` of that one block reserves a
+    slot (pending: pinned, invisible to lookups), the payload is read into the slot's bytes,
+    then ``complete_store`` publishes it if its checksum holds and frees it otherwise. A body
+    that fails mid-frame (a client reset, a truncated body, a deadline, a cancelled call)
+    frees the slot it was writing; blocks completed before it stay stored, as on the staging
+    path. A frame that gets no fresh slot (the block is stored already, another request is
+    writing it, every slot is pinned) goes the staging path, which answers those cases as
+    ``TieredStore.store`` does. A put holds one reserved slot at a time, so a batch longer
+    than the top pool still goes through.
+
+    The store's lock is taken on the event loop only without waiting (``blocking=False``),
+    and only for a store with no tier below its top pool (making room then evicts without
+    I/O); otherwise, or when another thread holds the lock, the call runs on a registry
+    thread. ``--durable`` acknowledges a block once its DISK record is committed, as the
+    staging path does (:meth:`acknowledge`).
+    """
+
+    def __init__(self, registry: "Registry", entry: "Namespace", inline: bool) -> None:
+        self.registry, self.entry, self.store, self.inline = registry, entry, entry.store, inline
+        top = self.store.top.tensor
+        self.slots = top.view(torch.uint8).numpy().reshape(top.shape[0], -1)
+        self.parent: BlockHash | None = None
+        self.done: list[tuple[int, BlockHash]] = []
+
+    @classmethod
+    def of(cls, registry: "Registry", entry: "Namespace") -> "_Direct | None":
+        """``None`` where a slot cannot take the socket's bytes: a top pool in GPU memory."""
+        store = entry.store
+        if store.top.tensor.device.type != "cpu" or not store.top.tensor.is_contiguous():
+            return None
+        inline = store.disk is None and store.remote is None and len(store.pools) == 1
+        return cls(registry, entry, inline)
+
+    async def reserve(self, block_hash: BlockHash, fingerprint: bytes):
+        """A handle with one fresh slot for ``block_hash``, or ``None`` (then the staging path
+        takes the frame)."""
+        handle = None
+        if self.inline:
+            handle = self.store.prepare_store([block_hash], [fingerprint], blocking=False)
+        if handle is None:
+            future = asyncio.ensure_future(
+                self.registry.run_on(self.entry, self.store.prepare_store, [block_hash], [fingerprint]))
+            try:
+                handle = await asyncio.shield(future)
+            except asyncio.CancelledError:  # the reservation goes on: free its slot once it is made
+                future.add_done_callback(_abandon_reserved)
+                raise
+        if not handle.block_ids:
+            _abandon(handle)  # publishes nothing: a present block's pin, or nothing at all
+            return None
+        handle.parent = self.parent
+        return handle
+
+    async def receive(self, reader: FrameReader, handle, digest, checksum: int, index: int) -> bool:
+        """The frame's payload into the handle's slot, then publish it (checksum ``ok``) or
+        free it; returns ``ok``. Any exception frees the slot and propagates."""
+        try:
+            await _payload(reader, self.slots[handle.block_ids[0]], digest, index)
+        except BaseException:
+            _abandon(handle)
+            raise
+        ok = digest.intdigest() == checksum
+        if not (self.inline and self.store.complete_store(handle, success=ok, blocking=False)):
+            # shielded: a call cancelled now (the client went away) still completes the handle
+            await asyncio.shield(asyncio.ensure_future(
+                self.registry.run_on(self.entry, self.store.complete_store, handle, ok)))
+        block_hash = handle.block_hashes[0]
+        # published, unless a reset made the handle stale (then it freed the slot instead)
+        if ok and handle.generation == self.store.residency.generation:
+            self.parent = block_hash
+            self.done.append((index, block_hash))
+        return ok
+
+    async def acknowledge(self, stored: list[bool]) -> None:
+        """``stored[i] = True`` for each block published here (with ``--durable``: once its
+        DISK record is committed, after the write-through writes)."""
+        if not self.done:
+            return
+        if self.registry.settings.durable:
+            present = await self.registry.run_on(self.entry, _on_disk, self.store, [h for _, h in self.done])
+        else:
+            present = [True] * len(self.done)
+        for (index, _), ok in zip(self.done, present):
+            stored[index] = ok
+
+
+def _abandon(handle) -> None:
+    """Free a prepared handle's slots and pins without waiting for the store's lock (the
+    cleanup a dropped handle runs: queued for the lock's next holder if it is taken)."""
+    if handle.abandon is not None:
+        handle.abandon()
+    handle.lease.release()
+
+
+def _abandon_reserved(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is None:
+        _abandon(future.result())
+
+
+def _on_disk(store: "TieredStore", block_hashes: list[BlockHash]) -> list[bool]:
+    store.wait_for_writes()
+    return store.on_disk(block_hashes)
 
 
 def _store(

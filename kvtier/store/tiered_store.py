@@ -284,20 +284,42 @@ class TieredStore:
 
     # -- stores ------------------------------------------------------------------------------
     def prepare_store(
-        self, block_hashes: Sequence[BlockHash], fingerprints: Sequence[Fingerprint] | None = None
-    ) -> StoreHandle:
+        self, block_hashes: Sequence[BlockHash], fingerprints: Sequence[Fingerprint] | None = None,
+        blocking: bool = True,
+    ) -> StoreHandle | None:
         """Reserve top-pool slots for the blocks of ``block_hashes`` not stored yet (pinned,
         invisible to lookups), each kept with its token fingerprint (``fingerprints``;
         default ``NO_FINGERPRINT``); write ``top.tensor[handle.block_ids]``, then
         :meth:`complete_store`. Stops at the first block that gets no slot (every candidate
         victim pinned) or that another request is writing: blocks after a gap could never be
-        hit through the chain."""
-        _check_hashes(block_hashes)
-        return self._stores.prepare(block_hashes, check_fingerprints(fingerprints, len(block_hashes)))
+        hit through the chain.
 
-    def complete_store(self, handle: StoreHandle, success: bool = True) -> None:
-        """Publish the written blocks (or free their slots when ``success`` is False)."""
-        self._stores.complete(handle, success)
+        Args:
+            blocking: ``False``: return ``None`` at once, reserving nothing, if another thread
+                holds the store's lock (an event loop can call it inline: the daemon's put).
+        """
+        _check_hashes(block_hashes)
+        fingerprints = check_fingerprints(fingerprints, len(block_hashes))
+        lock = self.residency.lock
+        if not lock.acquire(blocking=blocking):
+            return None
+        try:
+            return self._stores.prepare(block_hashes, fingerprints)
+        finally:
+            lock.release()
+
+    def complete_store(self, handle: StoreHandle, success: bool = True, blocking: bool = True) -> bool:
+        """Publish the written blocks (or free their slots when ``success`` is False).
+        Returns ``False`` only with ``blocking=False`` when another thread holds the store's
+        lock: nothing was done, call it again."""
+        lock = self.residency.lock
+        if not lock.acquire(blocking=blocking):
+            return False
+        try:
+            self._stores.complete(handle, success)
+        finally:
+            lock.release()
+        return True
 
     def store(
         self, block_hashes: Sequence[BlockHash], blocks: torch.Tensor, fingerprints: Sequence[Fingerprint] | None = None
