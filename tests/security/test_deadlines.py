@@ -63,19 +63,32 @@ class _Trickling:
         return None
 
 
-def test_a_put_that_trickles_its_body_is_cut_and_its_staging_freed(secure_daemon):
+@pytest.mark.parametrize("path", ["direct", "staging"])
+def test_a_put_that_trickles_its_body_is_cut_and_its_staging_freed(secure_daemon, monkeypatch, path):
+    if path == "staging":  # as for a top pool in GPU memory (kvtier.server.frames._Direct)
+        from kvtier.server import frames as frames_module
+
+        monkeypatch.setattr(frames_module._Direct, "of", classmethod(lambda cls, registry, entry: None))
     daemon = secure_daemon()  # grace 0.5 s, then 64 KiB/s
     assert register(daemon.port, TOKEN_A) == 201
     put = _Trickling(daemon.port, TOKEN_A)
     time.sleep(0.3)
-    assert daemon.call(lambda: daemon.app[STAGING].used) > 0  # it holds staging while it trickles
+
+    def held() -> tuple[int, int]:  # staging bytes, top-pool slots reserved for the put
+        store = daemon.app[REGISTRY].get("a", NS).store
+        return daemon.app[STAGING].used, len(store.residency.pending())
+
+    if path == "direct":
+        assert daemon.call(held) == (0, 1)  # it holds the slot its first frame is received into
+    else:
+        assert daemon.call(held)[0] > 0  # it holds staging while it trickles
     cut = put.trickle(10.0)
     put.sock.close()
     assert cut is not None and cut < 5.0, cut
     deadline = time.monotonic() + 2
-    while daemon.call(lambda: daemon.app[STAGING].used) and time.monotonic() < deadline:
+    while daemon.call(held) != (0, 0) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert daemon.call(lambda: daemon.app[STAGING].used) == 0
+    assert daemon.call(held) == (0, 0)
 
 
 def test_deleting_and_registering_never_wait_for_a_stalled_put(secure_daemon):

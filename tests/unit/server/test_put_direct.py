@@ -51,8 +51,7 @@ def _count_staged(monkeypatch) -> list[int]:
 
 
 def _pending(store) -> int:
-    return sum(store.residency.is_pending(Medium.CPU, h) for h in list(store.top._lru._probation)
-               + list(store.top._lru._protected))
+    return len(store.residency.pending(Medium.CPU))
 
 
 def _free_slots_in_use(store) -> int:
