@@ -16,14 +16,18 @@ already being loaded. Pins come from the namespace's budget and writes run on a 
 
 put: each frame is checked before its payload is read (hash size, a consistent header, the
 namespace, the registered shape and dtype, ``--max-block-bytes``: a block over the limit is
-refused with 413 after its 128-byte header, chunked bodies too, case S1), its payload is
-copied into a staging buffer and hashed piece by piece as it arrives, and a block whose
-checksum fails is not stored (``stored[i] = False``). A full staging buffer is stored with
-one store call on a thread while the next buffer fills. A put is acknowledged (``True``)
-only once the block is in the store; with ``--durable`` only once it is committed to DISK.
-Each block is stored with the fingerprint of its record header (what a later get sends).
-Staging comes from the daemon's budget, reads run on a clock: a body that trickles is cut
-off and its buffers freed.
+refused with 413 after its 128-byte header, chunked bodies too, case S1), then its payload
+is copied, piece by piece as it arrives, straight into a top-pool slot reserved for that one
+block (:class:`_Direct`: invisible to lookups until its checksum holds) and hashed as it is
+copied; a block whose checksum fails is not stored (``stored[i] = False``) and its slot is
+freed. A frame that gets no fresh slot (the block is stored already, another request is
+writing it, every slot is pinned), and every frame when the top pool is on CUDA, is copied
+into a staging buffer instead; a full staging buffer is stored with one store call on a
+thread while the next buffer fills. A put is acknowledged (``True``) only once the block is
+in the store; with ``--durable`` only once it is committed to DISK. Each block is stored
+with the fingerprint of its record header (what a later get sends). Staging comes from the
+daemon's budget, reads run on a clock: a body that trickles is cut off and its slot or
+buffers freed.
 """
 
 from __future__ import annotations
