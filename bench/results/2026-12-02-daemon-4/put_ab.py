@@ -3,7 +3,9 @@ RemoteTier putting 16 x 2 MiB blocks a call under fresh hashes: GB/s per round (
 of 8 calls), daemon CPU per GB, client CPU per GB. argv: [ROUNDS]. Run it from the tree to measure
 (PYTHONPATH=<tree>). Round four: the pool holds two rounds (+16 MiB) and two rounds warm up, as in
 bench/server.py, so timed rounds evict and reuse memory (no first-touch page faults; the third
-round's put_ab.py had a 1 GiB pool, so 3 of its 6 timed rounds first-touched it)."""
+round's put_ab.py had a 1 GiB pool, so 3 of its 6 timed rounds first-touched it). argv[2], when
+given: --disk-bytes of the daemon (a DISK tier under the pool: the direct put's store calls
+then run on a registry thread, and evictions spill to DISK)."""
 import hashlib
 import os
 import sys
@@ -18,6 +20,17 @@ from bench.server import SPEC, NAMESPACE, process_cpu_s, start_daemon, stop  # n
 from kvtier.tiers.remote import RemoteTier  # noqa: E402
 
 rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+if len(sys.argv) > 2:  # the daemon with a DISK tier: bench.server starts it with --disk-bytes 0
+    import subprocess
+    _popen = subprocess.Popen
+
+    def _with_disk(args, *a, **k):
+        if "--disk-bytes" in args:
+            args = list(args)
+            args[args.index("--disk-bytes") + 1] = sys.argv[2]
+        return _popen(args, *a, **k)
+
+    subprocess.Popen = _with_disk
 torch.set_num_threads(1)
 work = Path(tempfile.mkdtemp())
 proc, url = start_daemon(work, cpu_bytes=2 * (256 << 20) + (16 << 20))
