@@ -21,8 +21,9 @@ is copied, piece by piece as it arrives, straight into a top-pool slot reserved 
 block (:class:`_Direct`: invisible to lookups until its checksum holds) and hashed as it is
 copied; a block whose checksum fails is not stored (``stored[i] = False``) and its slot is
 freed. A frame that gets no fresh slot (the block is stored already, another request is
-writing it, every slot is pinned), and every frame when the top pool is on CUDA, is copied
-into a staging buffer instead; a full staging buffer is stored with one store call on a
+writing it, every slot is pinned), and every frame of a store with a tier below its top
+pool (DISK: its spills go in batches) or a top pool on CUDA, is copied into a staging
+buffer instead; a full staging buffer is stored with one store call on a
 thread while the next buffer fills. A put is acknowledged (``True``) only once the block is
 in the store; with ``--durable`` only once it is committed to DISK. Each block is stored
 with the fingerprint of its record header (what a later get sends). Staging comes from the
@@ -241,7 +242,7 @@ async def receive_blocks(request: web.Request, registry: "Registry", entry: "Nam
             await batch.flush()
             await batch.drain()
         if direct is not None:
-            await direct.acknowledge(stored)
+            direct.acknowledge(stored)
     except Expired as exc:
         reset(request.transport)
         raise error(web.HTTPRequestTimeout, f"put body: {exc}") from None
@@ -403,15 +404,18 @@ class _Direct:
     ``TieredStore.store`` does. A put holds one reserved slot at a time, so a batch longer
     than the top pool still goes through.
 
-    The store's lock is taken on the event loop only without waiting (``blocking=False``),
-    and only for a store with no tier below its top pool (making room then evicts without
-    I/O); otherwise, or when another thread holds the lock, the call runs on a registry
-    thread. ``--durable`` acknowledges a block once its DISK record is committed, as the
-    staging path does (:meth:`acknowledge`).
+    Only for a store with nothing below its top pool (no DISK, no REMOTE, one pool): making
+    room there evicts without I/O, so the store's lock is taken on the event loop, without
+    waiting (``blocking=False``; when another thread holds it, the call runs on a registry
+    thread). With a tier below, each one-block ``prepare_store`` would spill its victim in a
+    DISK transaction of its own where the staging path's store call spills a buffer's worth
+    at once: measured 0.18-0.19 GB/s against staging's 0.23-0.25 GB/s with a DISK tier under
+    the pool (bench/results/2026-12-02-daemon-4/put_ab_disk.log), so such stores keep the
+    staging path.
     """
 
-    def __init__(self, registry: "Registry", entry: "Namespace", inline: bool) -> None:
-        self.registry, self.entry, self.store, self.inline = registry, entry, entry.store, inline
+    def __init__(self, registry: "Registry", entry: "Namespace") -> None:
+        self.registry, self.entry, self.store = registry, entry, entry.store
         top = self.store.top.tensor
         self.slots = top.view(torch.uint8).numpy().reshape(top.shape[0], -1)
         self.parent: BlockHash | None = None
@@ -419,20 +423,20 @@ class _Direct:
 
     @classmethod
     def of(cls, registry: "Registry", entry: "Namespace") -> "_Direct | None":
-        """``None`` where a slot cannot take the socket's bytes: a top pool in GPU memory."""
+        """``None`` where a slot cannot take the socket's bytes (a top pool in GPU memory) or
+        where the staging path stores faster (a tier below the top pool)."""
         store = entry.store
-        if store.top.tensor.device.type != "cpu" or not store.top.tensor.is_contiguous():
+        top = store.top.tensor
+        if top.device.type != "cpu" or not top.is_contiguous() or store.disk is not None \
+                or store.remote is not None or len(store.pools) != 1 or registry.settings.durable:
             return None
-        inline = store.disk is None and store.remote is None and len(store.pools) == 1
-        return cls(registry, entry, inline)
+        return cls(registry, entry)
 
     async def reserve(self, block_hash: BlockHash, fingerprint: bytes):
         """A handle with one fresh slot for ``block_hash``, or ``None`` (then the staging path
         takes the frame)."""
-        handle = None
-        if self.inline:
-            handle = self.store.prepare_store([block_hash], [fingerprint], blocking=False)
-        if handle is None:
+        handle = self.store.prepare_store([block_hash], [fingerprint], blocking=False)
+        if handle is None:  # another thread holds the store's lock: wait for it there
             future = asyncio.ensure_future(
                 self.registry.run_on(self.entry, self.store.prepare_store, [block_hash], [fingerprint]))
             try:
@@ -455,7 +459,7 @@ class _Direct:
             _abandon(handle)
             raise
         ok = digest.intdigest() == checksum
-        if not (self.inline and self.store.complete_store(handle, success=ok, blocking=False)):
+        if not self.store.complete_store(handle, success=ok, blocking=False):
             # shielded: a call cancelled now (the client went away) still completes the handle
             await asyncio.shield(asyncio.ensure_future(
                 self.registry.run_on(self.entry, self.store.complete_store, handle, ok)))
@@ -466,17 +470,11 @@ class _Direct:
             self.done.append((index, block_hash))
         return ok
 
-    async def acknowledge(self, stored: list[bool]) -> None:
-        """``stored[i] = True`` for each block published here (with ``--durable``: once its
-        DISK record is committed, after the write-through writes)."""
-        if not self.done:
-            return
-        if self.registry.settings.durable:
-            present = await self.registry.run_on(self.entry, _on_disk, self.store, [h for _, h in self.done])
-        else:
-            present = [True] * len(self.done)
-        for (index, _), ok in zip(self.done, present):
-            stored[index] = ok
+    def acknowledge(self, stored: list[bool]) -> None:
+        """``stored[i] = True`` for each block published here (``--durable`` puts never come
+        here: they wait for DISK commits, which the staging path's store call does)."""
+        for index, _ in self.done:
+            stored[index] = True
 
 
 def _abandon(handle) -> None:
@@ -490,11 +488,6 @@ def _abandon(handle) -> None:
 def _abandon_reserved(future: asyncio.Future) -> None:
     if not future.cancelled() and future.exception() is None:
         _abandon(future.result())
-
-
-def _on_disk(store: "TieredStore", block_hashes: list[BlockHash]) -> list[bool]:
-    store.wait_for_writes()
-    return store.on_disk(block_hashes)
 
 
 def _store(

@@ -64,12 +64,10 @@ class _Trickling:
 
 
 @pytest.mark.parametrize("path", ["direct", "staging"])
-def test_a_put_that_trickles_its_body_is_cut_and_its_staging_freed(secure_daemon, monkeypatch, path):
-    if path == "staging":  # as for a top pool in GPU memory (kvtier.server.frames._Direct)
-        from kvtier.server import frames as frames_module
-
-        monkeypatch.setattr(frames_module._Direct, "of", classmethod(lambda cls, registry, entry: None))
-    daemon = secure_daemon()  # grace 0.5 s, then 64 KiB/s
+def test_a_put_that_trickles_its_body_is_cut_and_its_staging_freed(secure_daemon, path):
+    # grace 0.5 s, then 64 KiB/s; a store with nothing below its pool receives into a slot,
+    # one with DISK into staging (kvtier.server.frames._Direct)
+    daemon = secure_daemon(disk_blocks=0) if path == "direct" else secure_daemon()
     assert register(daemon.port, TOKEN_A) == 201
     put = _Trickling(daemon.port, TOKEN_A)
     time.sleep(0.3)

@@ -1,8 +1,8 @@
 """The put path's direct receive (kvtier.server.frames._Direct): each frame's payload read
 from the socket straight into a reserved top-pool slot, published only once its checksum
-holds; the staging path where a frame gets no fresh slot. Both store-call modes: inline on
-the event loop (a store with no tier below its pool: ``disk_blocks=0``) and on a registry
-thread (a DISK tier below)."""
+holds, for a store with nothing below its pool (``disk_blocks=0``); the staging path where a
+frame gets no fresh slot, and for every frame of a store with a DISK tier (its spills go in
+batches) or a durable daemon."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from tests.unit.server.conftest import NAMESPACE, SPEC, frames, hashes, ns_url, 
 from tests.unit.server.test_api import get_blocks, lookup, payload, put_blocks
 
 FRAME_NBYTES = 1 + 32 + HEADER_NBYTES + SPEC.block_nbytes
-MODES = {"inline": {"disk_blocks": 0}, "thread": {}}
+DIRECT = {"disk_blocks": 0}
+MODES = {"direct": DIRECT, "staging (DISK below)": {}}
 
 
 def _store(client):
@@ -95,9 +96,8 @@ async def _until(predicate, timeout_s: float = 5.0) -> None:
     raise AssertionError("condition not reached")
 
 
-@pytest.mark.parametrize("mode", MODES)
-async def test_direct_put_is_bit_exact_without_staging(make_api, monkeypatch, mode):
-    client = await make_api(**MODES[mode])
+async def test_direct_put_is_bit_exact_without_staging(make_api, monkeypatch):
+    client = await make_api(**DIRECT)
     await register(client)
     _no_staging(monkeypatch)
     hs, blocks = hashes(12), random_blocks(SPEC, 12, seed=11)
@@ -133,9 +133,8 @@ async def test_both_paths_store_the_same_bytes_and_flag_the_same_corrupt_frame(m
     store.check_invariants()
 
 
-@pytest.mark.parametrize("mode", MODES)
-async def test_a_lookup_during_the_put_never_sees_the_block_being_received(make_api, mode):
-    client = await make_api(**MODES[mode])
+async def test_a_lookup_during_the_put_never_sees_the_block_being_received(make_api):
+    client = await make_api(**DIRECT)
     await register(client)
     hs, blocks = hashes(3), random_blocks(SPEC, 3, seed=13)
     body = frames(NAMESPACE, hs, blocks)
@@ -151,10 +150,9 @@ async def test_a_lookup_during_the_put_never_sees_the_block_being_received(make_
     store.check_invariants()
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("cut", ["in the payload", "in the header"])
-async def test_a_client_gone_mid_frame_frees_its_slot_and_publishes_no_part_of_it(make_api, mode, cut):
-    client = await make_api(**MODES[mode])
+async def test_a_client_gone_mid_frame_frees_its_slot_and_publishes_no_part_of_it(make_api, cut):
+    client = await make_api(**DIRECT)
     await register(client)
     hs, blocks = hashes(3), random_blocks(SPEC, 3, seed=14)
     body = frames(NAMESPACE, hs, blocks)
@@ -191,11 +189,10 @@ async def test_a_truncated_body_is_a_400_and_leaves_no_slot(make_api):
     store.check_invariants()
 
 
-@pytest.mark.parametrize("mode", MODES)
-async def test_a_block_another_request_is_writing_goes_through_staging(make_api, monkeypatch, mode):
+async def test_a_block_another_request_is_writing_goes_through_staging(make_api, monkeypatch):
     """Concurrent puts of the same hash: the second finds the slot pending and takes the
     staging path, which refuses it as ``TieredStore.store`` does; nothing is corrupted."""
-    client = await make_api(**MODES[mode])
+    client = await make_api(**DIRECT)
     await register(client)
     staged = _count_staged(monkeypatch)
     hs, blocks = hashes(3), random_blocks(SPEC, 3, seed=16)
@@ -252,24 +249,56 @@ async def test_a_pool_with_every_slot_pinned_falls_back_and_refuses(make_api, mo
 
 
 async def test_a_batch_longer_than_the_pool_goes_through_one_slot_at_a_time(make_api, monkeypatch):
-    client = await make_api(cpu_blocks=4, disk_blocks=64)
+    client = await make_api(cpu_blocks=4, disk_blocks=0)
     await register(client)
     _no_staging(monkeypatch)
     hs, blocks = hashes(10), random_blocks(SPEC, 10, seed=19)
-    assert await put_blocks(client, hs, blocks) == [True] * 10
-    assert (await lookup(client, hs))["num_blocks"] == 10  # the head spilled to DISK
-    assert [p for _, _, p in await get_blocks(client, hs)] == [payload(b) for b in blocks]
+    assert await put_blocks(client, hs, blocks) == [True] * 10  # each was stored; the pool keeps the tail
+    assert (await lookup(client, hs[6:]))["num_blocks"] == 4
+    for h, block in zip(hs[6:], blocks[6:]):
+        assert [p for _, _, p in await get_blocks(client, [h])] == [payload(block)]
     _store(client).check_invariants()
 
 
-async def test_durable_direct_put_is_on_disk_when_acknowledged(make_api, monkeypatch):
-    client = await make_api(durable=True)
+@pytest.mark.parametrize("setting", [{}, {"durable": True}])
+async def test_a_store_with_disk_and_a_durable_daemon_take_the_staging_path(make_api, monkeypatch, setting):
+    client = await make_api(**setting)
     await register(client)
-    _no_staging(monkeypatch)
+    staged = _count_staged(monkeypatch)
     hs, blocks = hashes(5), random_blocks(SPEC, 5, seed=20)
     assert await put_blocks(client, hs, blocks) == [True] * 5
+    assert sum(staged) == 5
     store = _store(client)
-    assert all(h in store.disk for h in hs)
+    assert all(h in store.disk for h in hs) or not setting
+    assert [p for _, _, p in await get_blocks(client, hs)] == [payload(b) for b in blocks]
+    store.check_invariants()
+
+
+async def test_a_put_that_finds_the_store_lock_held_waits_for_it_on_a_thread(make_api, monkeypatch):
+    import threading
+
+    client = await make_api(**DIRECT)
+    await register(client)
+    _no_staging(monkeypatch)
+    store = _store(client)
+    held, go = threading.Event(), threading.Event()
+
+    def hold():
+        with store.residency.lock:
+            held.set()
+            go.wait(5)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    held.wait(5)
+    hs, blocks = hashes(3), random_blocks(SPEC, 3, seed=21)
+    put = asyncio.ensure_future(put_blocks(client, hs, blocks))
+    await asyncio.sleep(0.3)
+    assert not put.done()  # its prepare_store waits on a registry thread, the loop serves on
+    go.set()
+    assert await put == [True] * 3
+    thread.join()
+    assert [p for _, _, p in await get_blocks(client, hs)] == [payload(b) for b in blocks]
     store.check_invariants()
 
 
