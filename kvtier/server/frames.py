@@ -410,7 +410,7 @@ class _Direct:
     thread). With a tier below, each one-block ``prepare_store`` would spill its victim in a
     DISK transaction of its own where the staging path's store call spills a buffer's worth
     at once: measured 0.18-0.19 GB/s against staging's 0.23-0.25 GB/s with a DISK tier under
-    the pool (bench/results/2026-12-02-daemon-4/put_ab_disk.log), so such stores keep the
+    the pool (bench/results/2026-12-02-daemon-4/put_ab_disk-direct.log), so such stores keep the
     staging path.
     """
 

@@ -18,7 +18,7 @@ from kvtier.server.app import REGISTRY
 from kvtier.types import Medium
 from kvtier.wire import FRAMES
 from tests.conftest import random_blocks
-from tests.unit.server.conftest import NAMESPACE, SPEC, frames, hashes, ns_url, parse_frames, register
+from tests.unit.server.conftest import NAMESPACE, SPEC, frames, hashes, ns_url, register
 from tests.unit.server.test_api import get_blocks, lookup, payload, put_blocks
 
 FRAME_NBYTES = 1 + 32 + HEADER_NBYTES + SPEC.block_nbytes
