@@ -38,8 +38,20 @@ def variants(n, out, ids):
         src = slots[s:s + n]  # [n, L, 2, H, bytes]
         for l in range(L):
             np.copyto(ob[l], src[:, l].transpose(1, 2, 0, 3))
-    return {"numpy per block": np_block, "torch per block": torch_block, "numpy groups of 4": np_group(4),
+    ob8 = out.view(torch.float64).numpy().reshape(L, 2, H, n, B * D // 2)
+    slots8 = pool.view(torch.float64).numpy().reshape(nslots, L, 2, H, B * D // 2)
+    def np_block_f64():
+        for i, s in enumerate(ids):
+            np.copyto(ob8[:, :, :, i], slots8[s])
+    ob2 = ob.reshape(L * 2 * H, n, B * D * 4)
+    slots2 = slots.reshape(nslots, L * 2 * H, B * D * 4)
+    def np_block_2d():
+        for i, s in enumerate(ids):
+            np.copyto(ob2[:, i], slots2[s])
+    only = sys.argv[2].split(",") if len(sys.argv) > 2 else None
+    table = {"numpy per block": np_block, "numpy per block f64": np_block_f64, "numpy per block 2d": np_block_2d, "torch per block": torch_block, "numpy groups of 4": np_group(4),
             "numpy groups of 16": np_group(16), "torch one permuted run": torch_run, "numpy per layer": np_rows}
+    return {k: v for k, v in table.items() if only is None or k in only}
 for n_tok in (1024, 2048, 4096):
     n = n_tok // B
     out = torch.empty(L, 2, H, n * B, D)
