@@ -238,12 +238,13 @@ def block_keys_for(
     # the same bytes hashed, without a numpy slice and conversion per block
     raw = np.ascontiguousarray(tokens[: num_blocks * block_size], dtype="<i8").tobytes()
     step, count, no_extra = block_size * 8, block_size.to_bytes(4, "little"), (0).to_bytes(4, "little")
+    # (no BlockHash()/Fingerprint() wrappers per block: NewType's call is a Python call each)
     sha256 = hashlib.sha256
     for i in range(num_blocks):
         extra = extra_keys[i] if extra_keys else b""
         body = count + raw[i * step : (i + 1) * step] + (len(extra).to_bytes(4, "little") + extra if extra else no_extra)
-        parent = BlockHash(_digest(hash_name, _BLOCK_DOMAIN + len(parent).to_bytes(1, "little") + parent + body))
-        parent_fp = Fingerprint(sha256(_TOKENS_DOMAIN + parent_fp + body).digest())
+        parent = _digest(hash_name, _BLOCK_DOMAIN + len(parent).to_bytes(1, "little") + parent + body)
+        parent_fp = sha256(_TOKENS_DOMAIN + parent_fp + body).digest()
         hashes.append(parent)
         fingerprints.append(parent_fp)
     return hashes, fingerprints
