@@ -12,15 +12,19 @@ import kvtier.connectors.hf as hf
 from kvtier.connectors.hf import HFConnector
 from kvtier.app.models import load_model
 model, _, _ = load_model("smollm2")
+DISK = "--disk" in sys.argv
+sys.argv = [a for a in sys.argv if a != "--disk"]
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
 R = int(sys.argv[2]) if len(sys.argv) > 2 else 7
 prompts = [Prompt(model, m, 16, s) for s, m in enumerate([1024, 2048, 4096])]
 p = [q for q in prompts if q.length == n][0]
 root = Path(tempfile.mkdtemp())
-cfg = _config(root, disk=False, top_bytes=sum(q.length + 64 for q in prompts) * (p.nbytes // n) + (16 << 20))
+cfg = _config(root, disk=DISK, top_bytes=sum(q.length + 64 for q in prompts) * (p.nbytes // n) + (16 << 20))
 kv = HFConnector.from_model(model, cfg, model_id="x", model_revision="y")
 for q in prompts:
     kv.after_request(q.ids[0], q.cache)
+if DISK:
+    kv.close(); kv = HFConnector.from_model(model, cfg, model_id="x", model_revision="y")
 acc = collections.defaultdict(list)
 def wrap(obj, name, label):
     f = getattr(obj, name)
@@ -37,11 +41,14 @@ wrap(pf.PrefetchHandle, "wait", "handle.wait"); wrap(rs.Lease, "release", "lease
 wrap(kv.store._prefetcher, "plan", "prefetcher.plan"); wrap(kv.store._lookups, "walk", "lookup walk")
 wrap(kv.store.placement, "touch_tail_first", "touch_tail_first"); wrap(kv, "_count_prefill", "_count_prefill")
 wrap(hf, "_prompt_tokens", "_prompt_tokens"); wrap(kv._timer, "arm", "timer.arm")
+wrap(pf.PrefetchHandle, "delivered_prefix", "delivered_prefix (waits)"); wrap(kv, "_sinks", "_sinks")
 wrap(kv.store._prefetcher, "_chain", "_chain"); wrap(kv.store._prefetcher, "_submit", "_submit"); wrap(kv.store._prefetcher, "_reserve", "_reserve")
 src = torch.empty(p.nbytes // 4).normal_(); dst = torch.empty_like(src)
 plans = []
 def before():
     plans.clear(); kv.finish_loads(); acc.clear()
+    if DISK:
+        kv.store.top.clear()
 def hit():
     t = time.perf_counter(); plans.append(kv.before_prefill(p.ids)); acc["before_prefill"].append(time.perf_counter() - t)
     snap.append(dict((k, sum(v)) for k, v in acc.items()))

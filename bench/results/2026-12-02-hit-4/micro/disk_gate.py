@@ -28,8 +28,20 @@ class NoGate:  # every arrival starts its own promotion at once (the old order)
     def __init__(self, n): pass
     def arrive(self, then=None):
         if then is not None: then()
+held = []
+class Deferred(Gate):  # held until the connector's next hook (finish_loads) opens it
+    def __init__(self, n):
+        super().__init__(n + 1); held.append(self)
+real_finish = kv.finish_loads
+def finish_loads():
+    while held:
+        held.pop().arrive()
+    real_finish()
+kv.finish_loads = finish_loads
+variants = [("gate", Gate), ("no gate", NoGate), ("deferred", Deferred)]
+only = sys.argv[3].split(",") if len(sys.argv) > 3 else None
 for rnd in range(ROUNDS):
-    for label, gate in (("gate", Gate), ("no gate", NoGate)):
+    for label, gate in [v for v in variants if only is None or v[0] in only]:
         pf.DeliveryGate = gate
         for p in prompts:
             plans = []
