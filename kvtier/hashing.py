@@ -238,12 +238,13 @@ def block_keys_for(
     # the same bytes hashed, without a numpy slice and conversion per block
     raw = np.ascontiguousarray(tokens[: num_blocks * block_size], dtype="<i8").tobytes()
     step, count, no_extra = block_size * 8, block_size.to_bytes(4, "little"), (0).to_bytes(4, "little")
+    # (no BlockHash()/Fingerprint() wrappers per block: NewType's call is a Python call each)
     sha256 = hashlib.sha256
     for i in range(num_blocks):
         extra = extra_keys[i] if extra_keys else b""
         body = count + raw[i * step : (i + 1) * step] + (len(extra).to_bytes(4, "little") + extra if extra else no_extra)
-        parent = BlockHash(_digest(hash_name, _BLOCK_DOMAIN + len(parent).to_bytes(1, "little") + parent + body))
-        parent_fp = Fingerprint(sha256(_TOKENS_DOMAIN + parent_fp + body).digest())
+        parent = _digest(hash_name, _BLOCK_DOMAIN + len(parent).to_bytes(1, "little") + parent + body)
+        parent_fp = sha256(_TOKENS_DOMAIN + parent_fp + body).digest()
         hashes.append(parent)
         fingerprints.append(parent_fp)
     return hashes, fingerprints
@@ -300,3 +301,37 @@ def content_keys(
         parent = xxhash.xxh3_64_digest(parent + tokens[i * block_size : (i + 1) * block_size].tobytes() + extra)
         keys.append(parent)
     return keys
+
+
+class LazyContentKeys(Sequence[bytes]):
+    """:func:`content_keys` of a prompt, computed on first use: a hit that misses nothing
+    (no block after its prefix needs a reason) never hashes them. A sequence of 8-byte keys,
+    one per full block (``len`` is known without hashing).
+
+    Args:
+        token_ids: ``[num_tokens]`` ints (kept as given: do not change them afterwards).
+        block_size: tokens per block (> 0).
+        extra_keys: per-block extra key bytes, as for :func:`content_keys`.
+    """
+
+    __slots__ = ("_tokens", "_block_size", "_extra", "_keys")
+
+    def __init__(
+        self, token_ids: Sequence[int] | np.ndarray, block_size: int, extra_keys: Sequence[bytes] | None = None
+    ) -> None:
+        self._tokens, self._block_size, self._extra = token_ids, block_size, extra_keys
+        self._keys: list[bytes] | None = None
+
+    def _computed(self) -> list[bytes]:
+        if self._keys is None:
+            self._keys = content_keys(self._tokens, self._block_size, self._extra)
+        return self._keys
+
+    def __len__(self) -> int:
+        return len(self._tokens) // self._block_size
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._computed()[index]
+
+    def __iter__(self):
+        return iter(self._computed())

@@ -85,7 +85,7 @@ from kvtier.connectors.hf_cache import (
 )
 from kvtier.connectors.hf_media import PromptMedia, prompt_media
 from kvtier.connectors.ttft import ForwardTimer, PrefillRate
-from kvtier.hashing import KeyContext, block_hashes_for, block_keys_for, content_keys
+from kvtier.hashing import KeyContext, LazyContentKeys, block_hashes_for, block_keys_for
 from kvtier.model_keys import kv_config_bytes, kv_config_fields
 from kvtier.store import PrefetchHandle, ResetResult, TieredStore
 from kvtier.store.misses import Explanation
@@ -380,9 +380,10 @@ class HFConnector:
 
     def _prompt_info(self, tokens: list[int], media: PromptMedia | None = None) -> PromptInfo:
         """The prompt's length and content keys (the blocks holding an image keyed by it, as
-        in :meth:`block_keys`), for miss reasons."""
+        in :meth:`block_keys`), for miss reasons. The keys are hashed only when a miss needs
+        a reason (:class:`LazyContentKeys`: a full hit never does; 0.01x of a hit's copy)."""
         extra = media.extra_keys(len(tokens) // self.block_size, self.block_size) if media is not None else None
-        return PromptInfo(len(tokens), content_keys(tokens, self.block_size, extra), self.namespace)
+        return PromptInfo(len(tokens), LazyContentKeys(tokens, self.block_size, extra), self.namespace)
 
     def before_prefill(
         self, input_ids: torch.Tensor | Sequence[int], ticket: PrefetchTicket | None = None, *, media: Any = None

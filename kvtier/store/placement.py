@@ -127,6 +127,11 @@ class Placement:
         """A use of ``block_hashes`` (``new`` ones only move to the recent end of probation),
         in reverse order, so the head of a request is the last of it to be evicted."""
         tiers = [*self.pools, *([self.disk] if self.disk is not None else [])]
+        if not new:  # a load: one pass per tier (each tier's order is its own)
+            tail_first = block_hashes[::-1]
+            for tier in tiers:
+                tier.touch_many(tail_first)
+            return
         for h in reversed(block_hashes):
             for tier in tiers:
                 if h in tier:

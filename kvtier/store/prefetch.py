@@ -39,7 +39,7 @@ from kvtier.store.misses import Miss, MissMemory
 from kvtier.store.placement import Placement
 from kvtier.store.residency import Residency
 from kvtier.store.results import Lease, LoadResult, StoreStats
-from kvtier.transfer.engine import Delivery, JobResult, TransferEngine, TransferJob
+from kvtier.transfer.engine import Delivery, DeliveryGate, JobResult, TransferEngine, TransferJob
 from kvtier.types import NO_FINGERPRINT, BlockHash, Fingerprint, Medium
 
 
@@ -318,28 +318,42 @@ class Prefetcher:
         """The walked prefix as it stands now: ends at a block gone since the walk, at one
         another request is bringing into the top pool, at a repeat, or at a block a local
         tier keeps with another fingerprint than the request's (counted ``token_mismatch``).
-        The plans' slots are not reserved yet (``top_id`` -1)."""
+        A block in the top pool carries its slot there; the others' slots are not reserved
+        yet (``top_id`` -1)."""
         top, placement = self.placement.top, self.placement
         chain: list[BlockPlan] = []
         seen: set[BlockHash] = set()
         expected_all = fingerprints if fingerprints is not None else [None] * len(block_hashes)
+        # one pass with the indexes at hand (placement.medium_of and fingerprint_of per block
+        # were 4 method calls a block: ~40% of a CPU hit's planning, bench/results/2026-12-02-hit-4)
+        pending = self._residency.pending_slots()
+        pools = [(pool, pool.medium, *pool.index_segments()) for pool in placement.pools]
+        disk, top_medium = placement.disk, top.medium
         for h, walked, expected in zip(block_hashes, media, expected_all):
-            medium = placement.medium_of(h)
-            if medium is None and walked is Medium.REMOTE and remote_ok:
-                medium = Medium.REMOTE
-            if medium is None or self._residency.is_pending(top.medium, h) or h in seen:
+            if h in seen or (top_medium, h) in pending:
                 break
-            if medium is Medium.REMOTE:  # checked by the read; an unchecked one is of unknown tokens
-                stored = expected if expected is not None else NO_FINGERPRINT
-            else:
-                stored = placement.fingerprint_of(h, medium)
-                if expected is not None and stored != expected:
-                    self._stats.load_failures[misses.TOKEN_MISMATCH] += 1
-                    self._stats.load_failures_by_tier[(str(medium), misses.TOKEN_MISMATCH)] += 1
-                    self._memory.note_failed(h, str(medium), misses.TOKEN_MISMATCH)  # its miss reason
+            for pool, medium, probation, protected in pools:
+                block_id = probation.get(h)
+                if block_id is None:
+                    block_id = protected.get(h)
+                if block_id is not None and (medium, h) not in pending:
+                    stored = pool.fingerprint_at(block_id)
                     break
+            else:
+                if disk is not None and h in disk:
+                    medium, stored = Medium.DISK, disk.fingerprint_of(h)
+                elif walked is Medium.REMOTE and remote_ok:
+                    # checked by the read; an unchecked one is of unknown tokens
+                    medium, stored = Medium.REMOTE, expected if expected is not None else NO_FINGERPRINT
+                else:
+                    break
+            if medium is not Medium.REMOTE and expected is not None and stored != expected:
+                self._stats.load_failures[misses.TOKEN_MISMATCH] += 1
+                self._stats.load_failures_by_tier[(str(medium), misses.TOKEN_MISMATCH)] += 1
+                self._memory.note_failed(h, str(medium), misses.TOKEN_MISMATCH)  # its miss reason
+                break
             seen.add(h)
-            chain.append(BlockPlan(h, medium, -1, stored, expected))
+            chain.append(BlockPlan(h, medium, block_id if medium is top_medium else -1, stored, expected))
         return chain
 
     def _reserve(self, chain: list[BlockPlan]) -> list[BlockPlan]:
@@ -351,8 +365,7 @@ class Prefetcher:
         plans: list[BlockPlan] = []
         for b in chain:
             h, medium = b.block_hash, b.source
-            if medium is top.medium:
-                b.top_id = top.block_id(h)
+            if medium is top.medium:  # its slot: found by _chain
                 plans.append(b)
                 continue
             if medium in (Medium.DISK, Medium.REMOTE) and stage_on_cpu:
@@ -389,14 +402,22 @@ class Prefetcher:
                 parts = [reads[k : k + size] for k in range(0, len(reads), size)]
             else:  # REMOTE: one batch request per I/O thread
                 parts = [reads[k::num_jobs] for k in range(num_jobs)]
-            for part in parts:
+            # the reads into the top pool behind the sinks start after the last delivery
+            gate = DeliveryGate(len(parts)) if views is not None and source is Medium.DISK else None
+            for k, part in enumerate(parts):
                 ids = [plans[i].staging_id if dst is not top.medium else plans[i].top_id for i in part]
                 job = TransferJob(source, dst, [plans[i].block_hash for i in part], dst_ids=ids,
                                   fingerprints=[plans[i].expected for i in part])
-                if views is not None and source is Medium.DISK:
-                    job.sinks, job.delivery = [views[i] for i in part], Delivery()
+                if gate is not None:
+                    job.sinks, job.delivery, job.gate = [views[i] for i in part], Delivery(), gate
                     handle.sunk = handle.sunk | frozenset(part)
-                job_id = self.engine.submit(job)
+                try:
+                    job_id = self.engine.submit(job)
+                except BaseException:
+                    if gate is not None:  # the jobs not submitted never arrive: open the gate for the others
+                        for _ in parts[k:]:
+                            gate.arrive()
+                    raise
                 handle.read_jobs[job_id] = part
                 if job.delivery is not None:
                     handle.deliveries[job_id] = job.delivery
@@ -418,9 +439,16 @@ class Prefetcher:
             if not self._residency.is_current(handle.generation):
                 return self.discard(handle)
             top, placement, stats = self.placement.top, self.placement, self._stats
-            for b in handle.plans:
-                moved = b.source is not top.medium
-                for medium, in_flight in ((top.medium, moved), (Medium.CPU, b.staging_id is not None)):
+            top_medium = top.medium
+            # the usual hit: every block was in the top pool already, or arrived: one pass of
+            # set and Counter operations, no per-block method calls
+            settled = all(b.ok and b.staging_id is None for b in handle.plans)
+            if settled:
+                self._residency.end_pending_many(
+                    top_medium, [b.block_hash for b in handle.plans if b.source is not top_medium])
+            for b in () if settled else handle.plans:
+                moved = b.source is not top_medium
+                for medium, in_flight in ((top_medium, moved), (Medium.CPU, b.staging_id is not None)):
                     if in_flight:
                         if b.ok:
                             self._residency.end_pending(medium, b.block_hash)
@@ -439,15 +467,17 @@ class Prefetcher:
                 self._count_unserved(handle, num_ok)
             self._publish_events(handle)
             loaded = handle.plans[:num_ok]
-            for b in loaded:
-                stats.loaded_blocks[b.source] += 1
+            sources = [b.source for b in loaded]
+            stats.loaded_blocks.update(sources)
             hashes = [b.block_hash for b in loaded]
             placement.touch_tail_first(hashes)
-            lease = self._residency.lease(hashes)
-            handle.lease.release()
+            if num_ok == len(handle.plans):
+                lease = handle.lease  # the pins of the whole plan are those of the result
+            else:
+                lease = self._residency.lease(hashes)
+                handle.lease.release()
             self._observe("load", handle.submitted_at)
-            return LoadResult([b.top_id for b in loaded], [b.source for b in loaded], lease,
-                              [b.fingerprint for b in loaded])
+            return LoadResult([b.top_id for b in loaded], sources, lease, [b.fingerprint for b in loaded])
 
     def discard(self, handle: PrefetchHandle) -> LoadResult:
         """A handle of an older generation (a reset came in between, or a ``fork()``): free

@@ -208,6 +208,10 @@ class Residency:
         """The transfer into that slot is over (the caller publishes or frees the slot)."""
         self._pending.discard((medium, block_hash))
 
+    def end_pending_many(self, medium: Medium, block_hashes: Sequence[BlockHash]) -> None:
+        """:meth:`end_pending` of every block of ``block_hashes`` in ``medium``, one set operation."""
+        self._pending.difference_update([(medium, h) for h in block_hashes])
+
     def free_pending(self, pool: BlockPool, block_hashes: Sequence[BlockHash], generation: int | None = None) -> None:
         """Free slots of ``pool`` reserved for a transfer or store that will never complete
         (or, for a handle of an older ``generation``, whose result is not wanted any more:

@@ -197,6 +197,11 @@ class DiskTier:
             if block_hash in self._lru:
                 self._lru.touch(block_hash)
 
+    def touch_many(self, block_hashes: Sequence[BlockHash]) -> None:
+        """:meth:`touch` of each of ``block_hashes`` held here, in order (others skipped)."""
+        with self._lock:
+            self._lru.touch_many(block_hashes)
+
     def refresh(self, block_hash: BlockHash) -> None:
         with self._lock:
             if block_hash in self._lru:

@@ -20,7 +20,7 @@ reuse distance exceeds the cache (a hot prompt between long scans) from missing 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Generic, Hashable, Iterator, Mapping, TypeVar
+from typing import Generic, Hashable, Iterator, Mapping, Sequence, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -96,6 +96,23 @@ class SegmentedLRU(Generic[K, V]):
         while len(self._protected) > limit:
             demoted, value = self._protected.popitem(last=False)
             self._probation[demoted] = value
+
+    def touch_many(self, keys: Sequence[K]) -> None:
+        """:meth:`touch` of each of ``keys`` that is indexed (others are skipped), in order,
+        with the protected segment's bound enforced once at the end. The resulting order is
+        that of touching them one by one: the bound does not change while touching (touches
+        keep the entry count), and the entries over it leave protected least recent first
+        either way; but it is one pass, without a method call per key."""
+        probation, protected = self._probation, self._protected
+        for key in keys:
+            if key in probation:
+                protected[key] = probation.pop(key)
+            elif key in protected:
+                protected.move_to_end(key)
+        limit = max(1, int(self.protected_fraction * len(self)))
+        while len(protected) > limit:
+            demoted, value = protected.popitem(last=False)
+            probation[demoted] = value
 
     def pop(self, key: K, evicted: bool = False) -> V:
         """Remove ``key``; ``evicted=True`` remembers it as a ghost (see the module doc)."""

@@ -129,6 +129,10 @@ class BlockPool:
         """A use of ``block_hash``: most recently used, protected from scans."""
         self._lru.touch(block_hash)
 
+    def touch_many(self, block_hashes: Sequence[BlockHash]) -> None:
+        """:meth:`touch` of each of ``block_hashes`` held here, in order (others skipped)."""
+        self._lru.touch_many(block_hashes)
+
     def refresh(self, block_hash: BlockHash) -> None:
         """Most recent within its segment, without counting a use."""
         self._lru.refresh(block_hash)

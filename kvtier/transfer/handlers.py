@@ -151,7 +151,8 @@ class DiskHandler(_IOHandler):
     def start(self, job: TransferJob) -> Pending:
         """A read with sinks (``job.sinks``) runs in two tasks: the reads into the sinks,
         which set ``job.delivery``, then the reads into the slots, queued behind the jobs
-        submitted meanwhile (the rest of the same prefix's reads into its sinks go first).
+        submitted meanwhile (the rest of the same prefix's reads into its sinks go first) and,
+        with ``job.gate``, submitted only once every job of the gate has delivered.
         The job is done when both are; anything else runs as one task."""
         if job.sinks is None or job.dst_ids is None:
             return super().start(job)
@@ -178,16 +179,25 @@ class DiskHandler(_IOHandler):
                 job.sinks = None  # the caller's buffer is its own again (it reuses it when no one else holds it)
                 if job.delivery is not None:
                     job.delivery.set([status == ReadStatus.OK.value for status in statuses])
-            try:
-                self.executor.submit(finish, statuses)
-            except RuntimeError:  # the executor is shutting down: finish here
-                finish(statuses)
+
+            def promote() -> None:
+                try:
+                    self.executor.submit(finish, statuses)
+                except RuntimeError:  # the executor is shutting down: finish here
+                    finish(statuses)
+
+            if job.gate is not None:  # after the prefix's last delivery (its other jobs')
+                job.gate.arrive(promote)
+            else:
+                promote()
 
         try:
             self.executor.submit(deliver)
         except BaseException:
             if job.delivery is not None:
                 job.delivery.set([False] * n)
+            if job.gate is not None:
+                job.gate.arrive()  # never delivers: the prefix's other jobs must not wait for it
             raise
         return _FuturePending(done)
 

@@ -138,3 +138,18 @@ def test_block_keys_for_is_the_chain_of_key_block_tokens(hash_name):
             want[0].append(parent)
             want[1].append(parent_fp)
         assert got == want
+
+
+def test_lazy_content_keys_are_the_content_keys_hashed_on_first_use():
+    import numpy as np
+
+    from kvtier.hashing import LazyContentKeys, content_keys
+
+    tokens = list(range(100, 170))
+    extra = [b"", b"img", b"", b""]
+    lazy = LazyContentKeys(tokens, 16, extra)
+    assert len(lazy) == 4 and lazy._keys is None  # the length needs no hashing
+    assert list(lazy) == content_keys(tokens, 16, extra)
+    assert lazy[1] == content_keys(tokens, 16, extra)[1] and lazy[-1] == content_keys(tokens, 16, extra)[-1]
+    assert list(LazyContentKeys(np.asarray(tokens), 16)) == content_keys(tokens, 16)
+    assert len(LazyContentKeys(tokens[:15], 16)) == 0 and list(LazyContentKeys(tokens[:15], 16)) == []

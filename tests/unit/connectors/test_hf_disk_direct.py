@@ -206,3 +206,111 @@ def test_decode_into_view_gives_the_record_bytes_or_refuses(strided):
     assert decode_into_view(record, NS, out, b"g" * 32) is ReadStatus.TOKEN_MISMATCH
     assert decode_into_view(record, NS, torch.zeros(3, 2, 2, BLOCK, 8)) is ReadStatus.CORRUPT  # another shape
     assert decode_into_view(memoryview(bytes(record)[:200]), NS, out) is ReadStatus.CORRUPT  # cut short
+
+
+class _Timeline:
+    """Spies on the DISK tier: when each delivery (``read_into_views``) ran and when each
+    promotion (``read_into``, the second read into a top-pool slot) started; ``hold`` keeps
+    the delivery of the job whose first block it names waiting until released."""
+
+    def __init__(self, monkeypatch, disk, hold=None) -> None:
+        import time
+
+        self.events: list[tuple[str, float]] = []
+        self.release = threading.Event()
+        real_views, real_into = disk.read_into_views, disk.read_into
+
+        def views(block_hashes, *args, **kwargs):
+            if hold is not None and block_hashes[0] == hold:
+                self.release.wait(10)
+            out = real_views(block_hashes, *args, **kwargs)
+            self.events.append(("delivered", time.perf_counter()))
+            return out
+
+        def into(*args, **kwargs):
+            self.events.append(("promoting", time.perf_counter()))
+            return real_into(*args, **kwargs)
+
+        monkeypatch.setattr(disk, "read_into_views", views)
+        monkeypatch.setattr(disk, "read_into", into)
+
+    def promotions_after_deliveries(self) -> bool:
+        last_delivery = max(t for kind, t in self.events if kind == "delivered")
+        return all(t >= last_delivery for kind, t in self.events if kind == "promoting")
+
+
+def test_the_promotions_start_only_after_the_last_delivery_of_the_prefix(model, tmp_path, monkeypatch):
+    monkeypatch.setattr(prefetch, "_DISK_JOB_NBYTES", 1)  # one job per block: 6 jobs on 2 I/O threads
+    ids = prompt(6 * BLOCK + 3, seed=31)
+    kv = on_disk(model, tmp_path, ids)
+    hashes = kv.block_hashes(ids[0])
+    timeline = _Timeline(monkeypatch, kv.store.disk, hold=hashes[0])  # the first job delivers last
+    threading.Timer(0.3, timeline.release.set).start()
+    plan = kv.before_prefill(ids)
+    assert_exact(plan, model, ids, 6 * BLOCK)
+    kv.finish_loads()
+    kinds = [kind for kind, _ in timeline.events]
+    assert kinds.count("delivered") == 6 and kinds.count("promoting") == 6
+    assert timeline.promotions_after_deliveries(), timeline.events
+    assert [kv.store.placement.medium_of(h) for h in hashes[:6]] == [Medium.CPU] * 6
+    kv.close()
+
+
+@pytest.mark.parametrize("then", ["reset", "close"])
+def test_a_reset_or_close_while_the_promotions_run_loses_nothing_and_never_hangs(model, tmp_path, monkeypatch, then):
+    monkeypatch.setattr(prefetch, "_DISK_JOB_NBYTES", 1)
+    ids = prompt(4 * BLOCK + 3, seed=32)
+    kv = on_disk(model, tmp_path, ids)
+    disk, release, started = kv.store.disk, threading.Event(), threading.Event()
+    real_into = disk.read_into
+
+    def slow_promotion(*args, **kwargs):  # the promotions wait until released
+        started.set()
+        release.wait(10)
+        return real_into(*args, **kwargs)
+
+    monkeypatch.setattr(disk, "read_into", slow_promotion)
+    plan = kv.before_prefill(ids)  # returns on the deliveries; the promotions are held
+    assert_exact(plan, model, ids, 4 * BLOCK)
+    assert started.wait(5)
+    threading.Timer(0.2, release.set).start()
+    store = kv.store
+    if then == "reset":
+        kv.reset()  # publishes the load first (waits for the promotions), then empties every tier
+        assert release.is_set()
+        with store.residency.lock:
+            store.residency.drain()
+            store.residency.check()  # nothing left pending
+        for pool in store.pools:
+            pool.check()
+        del plan
+        assert kv.before_prefill(ids).num_cached_tokens == 0  # the reset emptied every tier
+        kv.close()
+    else:
+        kv.close()  # publishes the load (waits for the promotions), flushes, closes
+        assert release.is_set()
+        again = connector(model, config(tmp_path), True)
+        del plan
+        assert_exact(again.before_prefill(ids), model, ids, 4 * BLOCK)  # every block still on DISK
+        again.close()
+
+
+def test_a_job_that_fails_to_start_opens_the_gate_for_the_others(model, tmp_path, monkeypatch):
+    monkeypatch.setattr(prefetch, "_DISK_JOB_NBYTES", 1)
+    ids = prompt(4 * BLOCK + 3, seed=33)
+    kv = on_disk(model, tmp_path, ids)
+    engine = kv.store._prefetcher.engine
+    real_submit, submitted = engine.submit, []
+
+    def submit(job):
+        submitted.append(job)
+        if len(submitted) == 3:
+            raise KeyError("no handler")  # the third DISK job never starts
+        return real_submit(job)
+
+    monkeypatch.setattr(engine, "submit", submit)
+    with pytest.raises(KeyError):
+        kv.before_prefill(ids)
+    monkeypatch.setattr(engine, "submit", real_submit)
+    kv.close()  # the first two jobs' promotions ran (the gate opened): close does not hang
+    assert all(job.delivery is not None and job.delivery.ok for job in submitted[:2])

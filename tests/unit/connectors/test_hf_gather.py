@@ -201,3 +201,28 @@ def test_hit_buffer_taken_from_many_threads_at_once_is_handed_to_one_only() -> N
         for t in threads:
             t.join()
         assert sum(kv is not None for kv in taken) == 1, [kv is not None for kv in taken]
+
+
+def test_cache_layers_are_shallow_copies_of_the_template_holding_the_given_tensors():
+    import copy
+
+    from kvtier.connectors.hf_cache import _shallow_copy, cache_from_layers
+
+    keys = [torch.randn(1, 2, 5, 4) for _ in range(3)]
+    values = [torch.randn(1, 2, 5, 4) for _ in range(3)]
+    cache = cache_from_layers(keys, values)
+    assert [layer.keys is k and layer.values is v for layer, k, v in zip(cache.layers, keys, values)] == [True] * 3
+    assert len({id(layer) for layer in cache.layers}) == 3 and cache.get_seq_length() == 5
+    first = cache.layers[0]
+    assert type(_shallow_copy(first)) is type(first) and vars(_shallow_copy(first)) == vars(copy.copy(first))
+
+    class Custom:  # a class that copies itself its own way goes through copy.copy
+        def __init__(self):
+            self.copies = 0
+
+        def __copy__(self):
+            new = Custom()
+            new.copies = self.copies + 1
+            return new
+
+    assert _shallow_copy(Custom()).copies == 1

@@ -40,3 +40,25 @@ def test_recently_evicted_key_returns_protected():
     lru.add("a", 0)
     lru.add("b", 0)
     assert not lru.is_protected("a") and lru.is_protected("b")
+
+
+def test_touch_many_orders_the_index_as_touching_one_by_one():
+    import random
+
+    from kvtier.tiers.lru import SegmentedLRU
+
+    rng = random.Random(7)
+    for trial in range(200):
+        one, many = SegmentedLRU(max_ghosts=8, protected_fraction=rng.choice([0.2, 0.5, 0.8])), None
+        many = SegmentedLRU(max_ghosts=8, protected_fraction=one.protected_fraction)
+        for key in range(rng.randint(1, 40)):
+            one.add(key, key)
+            many.add(key, key)
+        for _ in range(rng.randint(1, 4)):
+            keys = rng.sample(range(50), rng.randint(0, 30))  # some not indexed: skipped
+            for key in keys:
+                if key in one:
+                    one.touch(key)
+            many.touch_many(keys)
+            assert list(one.eviction_order()) == list(many.eviction_order()), trial
+            assert [one.is_protected(k) for k in range(50)] == [many.is_protected(k) for k in range(50)], trial
