@@ -165,25 +165,6 @@ class Placement:
         self._stats.evicted_blocks[pool.medium] += len(victims)
         self.events.removed(pool.medium, victims)
 
-    def spill_ahead_candidates(self, upcoming: Sequence[BlockHash]) -> list[BlockHash]:
-        """The top-pool blocks that making room for ``upcoming`` (the next part of a request
-        being stored) would spill to DISK now and that DISK neither holds nor is being
-        written (:class:`~kvtier.store.stores.StorePath` writes them on an I/O thread while
-        the caller copies the current part in; :meth:`make_room` then finds them on DISK and
-        only frees their slots). Empty unless the top pool is the last, in host memory,
-        under ``write_back`` with a DISK tier (elsewhere victims go to another pool or are
-        already on DISK)."""
-        disk = self.disk
-        if disk is None or self.write_policy != "write_back" or len(self.pools) != 1:
-            return []
-        top = self.pools[0]
-        if top.tensor.device.type != "cpu":
-            return []
-        missing = sum(1 for h in dict.fromkeys(upcoming) if h not in top) - top.num_free
-        if missing <= 0:
-            return []
-        return [h for h in self._victims(top, missing) if h not in disk and h not in self.disk_in_flight]
-
     def _victims(self, pool: BlockPool, num_blocks: int) -> list[BlockHash]:
         victims = []
         for h in pool.lru_order():

@@ -25,11 +25,6 @@ from kvtier.store.trace import StoreTrace
 from kvtier.store.writes import BackgroundWrites
 from kvtier.types import NO_FINGERPRINT, BlockHash, Fingerprint
 
-SPILL_AHEAD_PART_BYTES = 16 << 20
-"""Part of a pipelined store (:meth:`StorePath.store_with`): the copy-in of one part overlaps
-the DISK write of the next part's victims. Measured on 2 MiB blocks, 2 cores
-(bench/results/2026-12-02-disk-4/README.md)."""
-
 WriteFn = Callable[[list[int], list[int]], None]
 """``write(indices, block_ids)``: copy request blocks ``indices`` into ``top.tensor[block_ids]``."""
 
@@ -126,28 +121,17 @@ class StorePath:
     ) -> int:
         """Store a request's blocks (with their ``fingerprints``) in chunks of at most half
         the top pool; returns the leading blocks of the request now stored (an exception in
-        ``write`` frees the chunk's slots and propagates).
-
-        When the chunk's victims spill to DISK (:meth:`Placement.spill_ahead_candidates`),
-        it goes in parts of :data:`SPILL_AHEAD_PART_BYTES`, pipelined: while the caller's
-        ``write`` copies part ``k`` into slots already free, the victims that part ``k + 1``
-        will evict are written to DISK on an I/O thread (a ``host -> DISK`` transfer job, the
-        victims pinned until it is reaped); part ``k + 1``'s ``prepare`` then finds them on
-        DISK and only frees their slots. Every spill is done (or has failed and been
-        counted) before this returns. A victim pinned or used meanwhile is just not evicted
-        (it stays in memory and on DISK); a write that failed leaves its victims to the
-        synchronous spill in ``prepare``."""
+        ``write`` frees the chunk's slots and propagates)."""
         chunk = max(1, self._placement.top.num_blocks // 2)
         stored = 0
         new: set[BlockHash] = set()
         protected: list[BlockHash] = []
-        parts: list[int] = []
         try:
-            stored = self._store_chunks(block_hashes, write, chunk, new, protected, fingerprints, parts)
+            stored = self._store_chunks(block_hashes, write, chunk, new, protected, fingerprints)
         finally:
             self._residency.unprotect(protected)
         with self._residency.lock:
-            if len(parts) > 1:  # re-order across parts: the request's tail goes first
+            if stored > chunk:  # re-order across chunks: the request's tail goes first
                 self._placement.touch_tail_first(block_hashes[:stored], frozenset(new))
             # A request larger than every tier evicts its own head: claim only what a lookup
             # finds (case B2: never claim more than is stored).
@@ -156,64 +140,27 @@ class StorePath:
 
     def _store_chunks(
         self, block_hashes: Sequence[BlockHash], write: WriteFn, chunk: int, new: set, protected: list,
-        fingerprints: Sequence[Fingerprint] | None, parts: list[int],
+        fingerprints: Sequence[Fingerprint] | None,
     ) -> int:
-        """store_with's loop: each part stored is protected from being dropped while the
-        rest of the request goes in; ``parts`` gets the size of each part prepared."""
-        part = min(chunk, max(1, SPILL_AHEAD_PART_BYTES // self._placement.spec.block_nbytes))
-        stored, start, job = 0, 0, None
-        try:
-            while start < len(block_hashes):
-                if job is not None:  # the victims of this part were written ahead
-                    self._finish_spill_ahead(job)
-                    job, size = None, part
-                else:
-                    size = part if part < chunk and self._spills(block_hashes[start : start + chunk]) else chunk
-                end = min(start + size, len(block_hashes))
-                fps = None if fingerprints is None else fingerprints[start:end]
-                handle = self.prepare(block_hashes[start:end], fps)
-                handle.parent = block_hashes[start - 1] if start else None
-                parts.append(end - start)
-                if size < chunk and end < len(block_hashes) and handle.num_blocks == end - start:
-                    job = self._spill_ahead(block_hashes[end : end + part])
-                ok = False
-                try:
-                    if handle.block_ids:
-                        write([start + i for i in handle.indices], handle.block_ids)
-                    ok = True
-                finally:
-                    self.complete(handle, success=ok)
-                stored = start + handle.num_blocks
-                new.update(handle.block_hashes)
-                done = block_hashes[start:stored]
-                self._residency.protect(done)
-                protected.extend(done)
-                if stored < end:
-                    break
-                start = end
-        finally:
-            if job is not None:
-                self._finish_spill_ahead(job)
+        """store_with's loop: each chunk stored is protected from being dropped while the
+        rest of the request goes in."""
+        stored = 0
+        for start in range(0, len(block_hashes), chunk):
+            fps = None if fingerprints is None else fingerprints[start : start + chunk]
+            handle = self.prepare(block_hashes[start : start + chunk], fps)
+            handle.parent = block_hashes[start - 1] if start else None
+            ok = False
+            try:
+                if handle.block_ids:
+                    write([start + i for i in handle.indices], handle.block_ids)
+                ok = True
+            finally:
+                self.complete(handle, success=ok)
+            stored = start + handle.num_blocks
+            new.update(handle.block_hashes)
+            part = block_hashes[start:stored]
+            self._residency.protect(part)
+            protected.extend(part)
+            if stored < min(start + chunk, len(block_hashes)):
+                break
         return stored
-
-    def _spills(self, block_hashes: Sequence[BlockHash]) -> bool:
-        """Whether storing ``block_hashes`` now would spill blocks to DISK that could be
-        written ahead."""
-        with self._residency.lock:
-            return bool(self._placement.spill_ahead_candidates(block_hashes))
-
-    def _spill_ahead(self, upcoming: Sequence[BlockHash]) -> int | None:
-        """Start writing to DISK the blocks that storing ``upcoming`` will evict; the job's
-        id, or ``None`` when there is none to write (or no DISK room: ``prepare`` spills)."""
-        residency, placement = self._residency, self._placement
-        with residency.lock:
-            self._check_open()
-            todo = placement.spill_ahead_candidates(upcoming)
-            return self._writes.write_to_disk(placement.top, todo) if todo else None
-
-    def _finish_spill_ahead(self, job_id: int) -> None:
-        """Wait for a spill-ahead job (outside the lock: lookups go on meanwhile), then reap
-        it: its pins are released, its blocks published on DISK, its failures counted."""
-        self._writes.engine.join([job_id])
-        with self._residency.lock:
-            self._writes.reap()

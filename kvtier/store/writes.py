@@ -14,7 +14,6 @@ from kvtier.store.placement import Placement
 from kvtier.store.residency import Residency
 from kvtier.store.results import Lease, StoreStats
 from kvtier.tiers.backend import RemoteBackend
-from kvtier.tiers.pool import BlockPool
 from kvtier.transfer.engine import TransferEngine, TransferJob
 from kvtier.types import BlockHash, Medium
 
@@ -59,30 +58,17 @@ class BackgroundWrites:
             return
         host = next((p for p in reversed(pools) if p.tensor.device.type == "cpu"), None)
         todo = [h for h in block_hashes if host is not None and h in host and h not in disk]
-        if not todo or self.write_to_disk(host, todo) is None:
-            placement.spill_to_disk(pools[-1], [h for h in block_hashes if h in pools[-1] and h not in disk])
-
-    def write_to_disk(self, host: BlockPool, block_hashes: list[BlockHash]) -> int | None:
-        """Start writing ``block_hashes`` (published blocks of ``host``, a host-memory pool,
-        not on DISK) to DISK on an I/O thread: room is made on DISK now (victims deleted under
-        the lock, while they are known unpinned), the sources stay pinned until the job is
-        reaped (:meth:`reap`), and the room they will take counts as taken meanwhile
-        (``placement.disk_in_flight``). Returns the transfer job's id, or ``None`` (nothing
-        started) when DISK has no room for all of them even after evicting everything
-        unpinned."""
-        placement = self._placement
-        victims = placement.disk_room(len(block_hashes)) if block_hashes else None
+        victims = placement.disk_room(len(todo)) if todo else None
         if victims is None:
-            return None
-        lease = self._residency.lease(block_hashes)  # the host copies stay until the write is done
+            placement.spill_to_disk(pools[-1], [h for h in block_hashes if h in pools[-1] and h not in disk])
+            return
+        lease = self._residency.lease(todo)  # the host copies stay until the write is done
         # Evict now, under the lock, while the victims are known to be unpinned: a job that
         # deleted them later could evict a block pinned in between (guarantee 4).
         placement.evict_from_disk(victims)
-        job = TransferJob(host.medium, Medium.DISK, block_hashes, src_ids=[host.block_id(h) for h in block_hashes])
-        placement.disk_in_flight.update(block_hashes)
-        job_id = self.engine.submit(job)
-        self._jobs[job_id] = (Medium.DISK, lease)
-        return job_id
+        job = TransferJob(host.medium, Medium.DISK, todo, src_ids=[host.block_id(h) for h in todo])
+        placement.disk_in_flight.update(todo)
+        self._jobs[self.engine.submit(job)] = (Medium.DISK, lease)
 
     def put_remote(self, block_hashes: list[BlockHash]) -> None:
         """Send newly stored blocks to the REMOTE tier (so that other processes hit them at
