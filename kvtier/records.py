@@ -4,7 +4,7 @@ A record is a 128-byte header followed by the raw block bytes::
 
     magic "KVTB" | version u16 | dtype code u8 | ndim u8 | shape 8 x u32 | namespace 32 B |
     fingerprint 32 B | payload_nbytes u64 | seq u64 |
-    checksum u64 = xxh3-64(the 120 header bytes before it + xxh3-64(payload) as u64 little-endian)
+    checksum u64 (xxh3-64 over the header before it + payload)
 
 The DISK tier stores records as LMDB values, the daemon sends and receives them, Redis holds
 them as values. Every reader verifies magic, version, namespace, dtype, shape, size and the
@@ -15,18 +15,11 @@ fingerprint, and a record whose fingerprint differs is ``TOKEN_MISMATCH``: intac
 computed from other tokens, never served. ``seq`` is the writer's store sequence (DISK uses
 it to rebuild LRU order); other writers may leave it 0.
 
-Versions: version 2 added the fingerprint (version 1 was the 96-byte header without it).
-Version 3 (issue 17) checksums the payload's own digest instead of the payload after the
-header: the header (DISK's sequence number is set when a block spills) and the payload are
-hashed apart, so a payload's xxh3 can be taken when its bytes are hot (copied into a pool
-slot: :meth:`kvtier.tiers.pool.BlockPool.set_payload_digest`) and reused when the block is
-written out later, instead of reading the block from DRAM once more to hash it behind a new
-header. Every byte is still covered: a reader hashes the payload as it copies it and checks
-the header's checksum over the header and that digest (:meth:`RecordHeader.digest`).
-Writers write version 3; readers read 2 and 3 (:data:`READABLE_VERSIONS`). A record of
-another version is not corrupt: it is another release's, and is a miss (``OTHER_VERSION``;
-:func:`record_version` tells it apart from garbage) that the tiers leave to age out rather
-than delete (a process of another release may share the DISK directory or the REMOTE tier).
+Versions: version 2 added the fingerprint (version 1 was the 96-byte header without it). A
+record of another version is not corrupt: it is another release's, and is a miss
+(``OTHER_VERSION``; :func:`record_version` tells it apart from garbage) that the tiers leave
+to age out rather than delete (a process of another release may share the DISK directory
+or the REMOTE tier).
 """
 
 from __future__ import annotations
@@ -43,13 +36,9 @@ import xxhash
 from kvtier.types import DTYPE_NAMES, DTYPES_BY_NAME, NO_FINGERPRINT
 
 _MAGIC = b"KVTB"
-VERSION = 3
-READABLE_VERSIONS = (2, 3)
-"""Versions every reader verifies and serves (same header layout; 2: the checksum runs over
-the header and then the payload, 3: over the header and the payload's digest)."""
+VERSION = 2
 _HEADER = struct.Struct("<4sHBB8I32s32sQQ")  # everything but the trailing checksum
 _CHECKSUM = struct.Struct("<Q")
-_PAYLOAD_DIGEST = _CHECKSUM  # version 3: the payload's xxh3-64, hashed after the header
 _MAGIC_VERSION = struct.Struct("<4sH")
 HEADER_NBYTES = _HEADER.size + _CHECKSUM.size  # 128
 _DTYPE_CODES = {name: i + 1 for i, name in enumerate(sorted(DTYPE_NAMES.values()))}
@@ -95,7 +84,7 @@ def encode_record(namespace: bytes, block: torch.Tensor, seq: int, fingerprint: 
     payload_nbytes = block.numel() * block.element_size()
     record = np.empty(HEADER_NBYTES + payload_nbytes, dtype=np.uint8)
     record[: _HEADER.size] = np.frombuffer(header, dtype=np.uint8)
-    digest = xxhash.xxh3_64()
+    digest = xxhash.xxh3_64(header)
     if payload_nbytes:
         src = block.view(torch.uint8).numpy().reshape(-1)
         dst = record[HEADER_NBYTES:]
@@ -103,36 +92,15 @@ def encode_record(namespace: bytes, block: torch.Tensor, seq: int, fingerprint: 
             chunk = dst[start : start + _CHUNK_NBYTES]
             np.copyto(chunk, src[start : start + _CHUNK_NBYTES])
             digest.update(chunk)
-    checksum = _checksum(header, digest.intdigest())
-    record[_HEADER.size : HEADER_NBYTES] = np.frombuffer(_CHECKSUM.pack(checksum), dtype=np.uint8)
+    record[_HEADER.size : HEADER_NBYTES] = np.frombuffer(_CHECKSUM.pack(digest.intdigest()), dtype=np.uint8)
     return record
 
 
-def hash_payload(block: torch.Tensor) -> int:
-    """xxh3-64 of ``block``'s bytes (a contiguous CPU tensor): what a version-3 record's
-    checksum covers of its payload (:func:`encode_header`'s ``payload_digest``). Fastest
-    right after the bytes were written (from cache: ~60 GB/s on the test VM vs ~23 GB/s
-    from DRAM, bench/results/2026-12-02-disk-3/README.md)."""
-    assert block.is_contiguous() and block.device.type == "cpu", "block must be contiguous on CPU"
-    if not block.numel():
-        return xxhash.xxh3_64_intdigest(b"")
-    return xxhash.xxh3_64_intdigest(block.view(torch.uint8).numpy().reshape(-1))
-
-
-def _checksum(header: bytes | memoryview, digest: int) -> int:
-    """A version-3 checksum: xxh3-64 over the header's first ``_HEADER.size`` bytes and the
-    payload's digest."""
-    return xxhash.xxh3_64_intdigest(bytes(header[: _HEADER.size]) + _PAYLOAD_DIGEST.pack(digest))
-
-
-def encode_header(
-    namespace: bytes, block: torch.Tensor, seq: int = 0, fingerprint: bytes = NO_FINGERPRINT,
-    payload_digest: int | None = None,
-) -> bytes:
+def encode_header(namespace: bytes, block: torch.Tensor, seq: int = 0, fingerprint: bytes = NO_FINGERPRINT) -> bytes:
     """The 128-byte header (checksum included) of ``block``'s record, hashing the block in
-    place unless its digest is given: ``encode_header(ns, block, seq, fp) + block bytes ==
-    encode_record(ns, block, seq, fp)``, so a sender can write the header and then the
-    block's own memory, with no record copy.
+    place: ``encode_header(ns, block, seq, fp) + block bytes == encode_record(ns, block, seq,
+    fp)``, so a sender can write the header and then the block's own memory, with no record
+    copy.
 
     Args:
         namespace: 32 bytes.
@@ -140,13 +108,12 @@ def encode_header(
             :data:`kvtier.types.DTYPE_NAMES`.
         seq: the writer's store sequence (0: none).
         fingerprint: the block's token fingerprint, 32 bytes.
-        payload_digest: :func:`hash_payload` of ``block``'s current bytes, when the caller
-            has it (taken while they were hot); ``None``: hashed here. A wrong digest makes a
-            record every reader refuses as ``CORRUPT``, never one that serves other bytes.
     """
     header = _pack_header(namespace, block, seq, fingerprint)
-    digest = payload_digest if payload_digest is not None else hash_payload(block)
-    return header + _CHECKSUM.pack(_checksum(header, digest))
+    digest = xxhash.xxh3_64(header)
+    if block.numel():
+        digest.update(block.view(torch.uint8).numpy().reshape(-1))
+    return header + _CHECKSUM.pack(digest.intdigest())
 
 
 # -- reading -----------------------------------------------------------------------------------
@@ -161,42 +128,18 @@ class RecordHeader(NamedTuple):
     payload_nbytes: int
     seq: int
     checksum: int
-    version: int = VERSION
 
-    def digest(self, header: bytes | memoryview) -> "xxhash.xxh3_64 | RecordDigest":
-        """A running digest of this record given ``header`` (its 128 header bytes): feed it
+    def digest(self, header: bytes | memoryview) -> "xxhash.xxh3_64":
+        """A running xxh3-64 primed with ``header`` (this record's 128 header bytes): feed it
         the payload in order with ``update``; the record is intact iff ``intdigest()`` then
-        equals ``checksum``. Version 2: xxh3-64 primed with the header; version 3: a
-        :class:`RecordDigest`."""
-        if self.version == 2:
-            return xxhash.xxh3_64(header[: _HEADER.size])
-        return RecordDigest(header)
-
-
-class RecordDigest:
-    """A version-3 record's running checksum: ``update`` hashes payload bytes (xxh3-64, in
-    order), ``intdigest()`` is the record's checksum (over the header and that payload
-    digest) and ``payload_intdigest()`` the payload's own digest (what a pool slot that
-    received these bytes can keep: :func:`encode_header`)."""
-
-    __slots__ = ("update", "_header", "_payload")
-
-    def __init__(self, header: bytes | memoryview) -> None:
-        self._header = bytes(header[: _HEADER.size])  # a copy: ``header`` may be a map's view
-        self._payload = xxhash.xxh3_64()
-        self.update = self._payload.update
-
-    def payload_intdigest(self) -> int:
-        return self._payload.intdigest()
-
-    def intdigest(self) -> int:
-        return _checksum(self._header, self._payload.intdigest())
+        equals ``checksum``."""
+        return xxhash.xxh3_64(header[: _HEADER.size])
 
 
 def parse_header(header: bytes | memoryview, record_nbytes: int | None = None) -> RecordHeader | None:
     """The fields of a record's 128-byte header (the record's first bytes), or ``None`` when
-    they are not a consistent kvtier header of a version read here (:data:`READABLE_VERSIONS`;
-    see :func:`record_version` for another version's): magic, version, dtype code, ndim, a payload size
+    they are not a consistent kvtier header of this version (:data:`VERSION`; see
+    :func:`record_version` for another version's): magic, version, dtype code, ndim, a payload size
     that is not ``prod(shape) * itemsize``, a sequence out of range, or (given
     ``record_nbytes``, the whole record's length) a payload size that does not add up to it.
     A corrupt size or sequence must not skew accounting or order.
@@ -209,7 +152,7 @@ def parse_header(header: bytes | memoryview, record_nbytes: int | None = None) -
         return None
     magic, version, dtype_code, ndim, *rest = _HEADER.unpack_from(header)
     shape, namespace, fingerprint, payload_nbytes, seq = rest[:8], rest[8], rest[9], rest[10], rest[11]
-    if magic != _MAGIC or version not in READABLE_VERSIONS or dtype_code not in _DTYPE_BY_CODE or not 0 < ndim <= 8:
+    if magic != _MAGIC or version != VERSION or dtype_code not in _DTYPE_BY_CODE or not 0 < ndim <= 8:
         return None
     dtype = _DTYPE_BY_CODE[dtype_code]
     if payload_nbytes != math.prod(shape[:ndim]) * DTYPES_BY_NAME[dtype].itemsize or seq >= 1 << 62:
@@ -217,7 +160,7 @@ def parse_header(header: bytes | memoryview, record_nbytes: int | None = None) -
     if record_nbytes is not None and record_nbytes != HEADER_NBYTES + payload_nbytes:
         return None
     (checksum,) = _CHECKSUM.unpack_from(header, _HEADER.size)
-    return RecordHeader(dtype, tuple(shape[:ndim]), namespace, fingerprint, payload_nbytes, seq, checksum, version)
+    return RecordHeader(dtype, tuple(shape[:ndim]), namespace, fingerprint, payload_nbytes, seq, checksum)
 
 
 def record_version(value: bytes | memoryview) -> int | None:
@@ -231,9 +174,9 @@ def record_version(value: bytes | memoryview) -> int | None:
 
 def failed_header_status(value: bytes | memoryview) -> ReadStatus:
     """Why a header :func:`parse_header` refused is not served: ``OTHER_VERSION`` for a
-    record of a version not read here, else ``CORRUPT``."""
+    record of another version, else ``CORRUPT``."""
     version = record_version(value)
-    return ReadStatus.OTHER_VERSION if version is not None and version not in READABLE_VERSIONS else ReadStatus.CORRUPT
+    return ReadStatus.OTHER_VERSION if version is not None and version != VERSION else ReadStatus.CORRUPT
 
 
 def _header_for(value: memoryview, namespace: bytes, out: torch.Tensor) -> "RecordHeader | ReadStatus":

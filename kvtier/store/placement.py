@@ -258,7 +258,7 @@ class Placement:
                 block_id = pool.block_id(h)
                 block = pool.tensor[block_id]
                 block = block if block.device.type == "cpu" else block.cpu()
-                puts.append((h, self.namespace, block, pool.fingerprint_at(block_id), pool.payload_digest_at(block_id)))
+                puts.append((h, self.namespace, block, pool.fingerprint_at(block_id)))
             try:
                 ok = self.disk.write_batch(puts, deletes=victims if start == 0 else ())
             except Exception as exc:  # never into the inference loop: the blocks are just not on DISK

@@ -17,9 +17,6 @@ import weakref
 from functools import partial
 from typing import Callable, Sequence
 
-import torch
-
-from kvtier.records import hash_payload
 from kvtier.store.misses import MissMemory
 from kvtier.store.placement import Placement
 from kvtier.store.residency import Residency
@@ -27,10 +24,6 @@ from kvtier.store.results import StoreHandle, StoreStats
 from kvtier.store.trace import StoreTrace
 from kvtier.store.writes import BackgroundWrites
 from kvtier.types import NO_FINGERPRINT, BlockHash, Fingerprint
-
-HOT_HASH_BYTES = 4 << 20
-"""Bytes copied in between the hashes of :meth:`StorePath._write_hashed`: small enough that the
-blocks just written are still in cache (L2 is 2 MiB a core, L3 32 MiB on the test VM)."""
 
 WriteFn = Callable[[list[int], list[int]], None]
 """``write(indices, block_ids)``: copy request blocks ``indices`` into ``top.tensor[block_ids]``."""
@@ -159,7 +152,7 @@ class StorePath:
             ok = False
             try:
                 if handle.block_ids:
-                    self._write_hashed(write, [start + i for i in handle.indices], handle.block_ids)
+                    write([start + i for i in handle.indices], handle.block_ids)
                 ok = True
             finally:
                 self.complete(handle, success=ok)
@@ -171,21 +164,3 @@ class StorePath:
             if stored < min(start + chunk, len(block_hashes)):
                 break
         return stored
-
-    def _write_hashed(self, write: WriteFn, indices: list[int], block_ids: list[int]) -> None:
-        """``write`` the blocks and, when they may be written to DISK later, keep each slot's
-        payload digest (:meth:`BlockPool.set_payload_digest`) taken right after its bytes were
-        copied in, :data:`HOT_HASH_BYTES` at a time, while they are in cache: a later spill
-        then writes the block without reading it again to hash it (kvtier.records, version
-        3). Only for a top pool in host memory, with a DISK tier, and CUDA not in use (a
-        write from a device may still be landing when ``write`` returns)."""
-        top = self._placement.top
-        if self._placement.disk is None or top.tensor.device.type != "cpu" or torch.cuda.is_initialized():
-            write(indices, block_ids)
-            return
-        step = max(1, HOT_HASH_BYTES // top.spec.block_nbytes)
-        for first in range(0, len(block_ids), step):
-            ids = block_ids[first : first + step]
-            write(indices[first : first + step], ids)
-            for block_id in ids:
-                top.set_payload_digest(block_id, hash_payload(top.tensor[block_id]))

@@ -60,7 +60,7 @@ except ImportError:  # only the DISK tier needs it; GPU/CPU tiers run without
     lmdb = None  # type: ignore[assignment]
 
 from kvtier.records import (
-    HEADER_NBYTES, READABLE_VERSIONS, ReadStatus, decode_into, decode_into_view, encode_header, encode_record, parse_header,
+    HEADER_NBYTES, VERSION, ReadStatus, decode_into, decode_into_view, encode_header, encode_record, parse_header,
     record_version,
 )
 from kvtier.tiers.disk_index import DiskIndex, IndexDamaged, IndexEntry, open_index, remove_index
@@ -212,12 +212,10 @@ class DiskTier:
         """Delete ``deletes`` and write ``puts`` in one LMDB write transaction.
 
         Args:
-            puts: ``(block_hash, namespace, block[, fingerprint[, payload_digest]])`` with
-                ``block`` a contiguous CPU tensor of one block (``[num_layers, 2, block_size,
-                num_kv_heads, head_dim]``), ``fingerprint`` its token fingerprint (default
-                :data:`~kvtier.types.NO_FINGERPRINT`) and ``payload_digest``
-                :func:`kvtier.records.hash_payload` of its bytes when the caller has it
-                (default ``None``: hashed here).
+            puts: ``(block_hash, namespace, block[, fingerprint])`` with ``block`` a contiguous
+                CPU tensor of one block (``[num_layers, 2, block_size, num_kv_heads,
+                head_dim]``) and ``fingerprint`` its token fingerprint (default
+                :data:`~kvtier.types.NO_FINGERPRINT`).
             deletes: hashes to drop.
             evicted: the deletes make room (remembered by the eviction policy).
 
@@ -249,7 +247,6 @@ class DiskTier:
                         results.append(True)
                         continue
                     fingerprint = rest[0] if rest else NO_FINGERPRINT
-                    digest = rest[1] if len(rest) > 1 else None
                     size = self.footprint(block.numel() * block.element_size())
                     if h in self._foreign and h not in dropped:  # overwritten below
                         used -= self._foreign[h]
@@ -263,7 +260,7 @@ class DiskTier:
                         results.append(False)
                         continue
                     self._seq += 1
-                    put_record(txn, h, namespace, block, self._seq, fingerprint, digest)
+                    put_record(txn, h, namespace, block, self._seq, fingerprint)
                     used += size
                     staged.append((h, IndexEntry(self._seq, size, fingerprint, False)))
                     results.append(True)
@@ -455,7 +452,7 @@ class DiskTier:
                 if header is not None:
                     entries[h] = IndexEntry(header.seq, self.footprint(header.payload_nbytes),
                                             bytes(header.fingerprint), False)
-                elif record_version(value) not in (None, *READABLE_VERSIONS):  # another release's: kept, never served
+                elif record_version(value) not in (None, VERSION):  # another release's: kept, never served
                     size = _page_round(len(value) + _OVERFLOW_PAGE_HEADER, self.page_nbytes)
                     entries[h] = IndexEntry(0, size, NO_FINGERPRINT, True)
                 else:
@@ -567,9 +564,7 @@ def _lock_directory(path: Path):
     return lock_file
 
 
-def put_record(
-    txn, key: bytes, namespace: bytes, block: torch.Tensor, seq: int, fingerprint: bytes, payload_digest: int | None = None,
-) -> None:
+def put_record(txn, key: bytes, namespace: bytes, block: torch.Tensor, seq: int, fingerprint: bytes) -> None:
     """Write ``block``'s record (:func:`kvtier.records.encode_record`'s bytes exactly) under
     ``key`` in the LMDB write transaction ``txn`` (begun with ``buffers=True``), copying the
     block's bytes once.
@@ -586,9 +581,7 @@ def put_record(
     contract: mdb_put(3)), which ``txn.get`` with ``buffers=True`` points at. The bytes
     borrowed from before the block are never stored: all of them are overwritten by the
     header before the commit. Any other block (slot 0 of an unpadded tensor, a copy of a GPU
-    block) takes the buffered :func:`~kvtier.records.encode_record`. ``payload_digest``: the
-    block's :func:`~kvtier.records.hash_payload` when known (a pool slot keeps the one taken
-    at copy-in): the header is then made without reading the block again.
+    block) takes the buffered :func:`~kvtier.records.encode_record`.
 
     Raises:
         lmdb.Error: the put failed (map full, ...): nothing of the record is visible.
@@ -598,7 +591,7 @@ def put_record(
             and block.storage_offset() * block.element_size() >= HEADER_NBYTES):
         txn.put(key, encode_record(namespace, block, seq, fingerprint))
         return
-    header = encode_header(namespace, block, seq, fingerprint, payload_digest)  # else hashes the block in place
+    header = encode_header(namespace, block, seq, fingerprint)  # hashes the block in place
     framed = (ctypes.c_uint8 * (HEADER_NBYTES + nbytes)).from_address(block.data_ptr() - HEADER_NBYTES)
     txn.put(key, framed)
     stored = txn.get(key)

@@ -69,9 +69,6 @@ class BlockPool:
         # Slot 0 is handed out first: pop() from the end of a reversed list.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._fingerprints: list[Fingerprint] = [NO_FINGERPRINT] * num_blocks  # per slot
-        # per slot: xxh3-64 of the bytes written there (kvtier.records.hash_payload), when
-        # the writer took it; reset whenever the slot changes hands
-        self._digests: list[int | None] = [None] * num_blocks
         # block_hash -> block_id, in eviction order (kvtier.tiers.lru).
         self._lru: SegmentedLRU[BlockHash, int] = SegmentedLRU(max_ghosts=2 * num_blocks)
         self._held: set[int] = set()  # slots out of the index, not free: see clear(hold=...)
@@ -99,20 +96,6 @@ class BlockPool:
     def fingerprint_at(self, block_id: int) -> Fingerprint:
         """The token fingerprint kept with slot ``block_id``."""
         return self._fingerprints[block_id]
-
-    def payload_digest_at(self, block_id: int) -> int | None:
-        """The payload digest kept with slot ``block_id`` (:meth:`set_payload_digest`), or
-        ``None`` when its writer took none: a DISK write then hashes the slot itself."""
-        return self._digests[block_id]
-
-    def set_payload_digest(self, block_id: int, digest: int) -> None:
-        """Keep ``digest`` (:func:`kvtier.records.hash_payload` of the slot's bytes, taken by
-        the writer right after writing them, while they are in cache) with slot
-        ``block_id``, so that writing the block to DISK later need not read it again to hash
-        it (kvtier.records, version 3). Call only for bytes written into a slot reserved by
-        :meth:`allocate` and not yet published; the digest is dropped when the slot is freed
-        or reallocated."""
-        self._digests[block_id] = digest
 
     @property
     def device(self) -> torch.device:
@@ -161,7 +144,6 @@ class BlockPool:
         block_id = self._free.pop()
         self._lru.add(block_hash, block_id)
         self._fingerprints[block_id] = fingerprint
-        self._digests[block_id] = None
         return block_id
 
     def free(self, block_hash: BlockHash, evicted: bool = False) -> int:
@@ -170,7 +152,6 @@ class BlockPool:
         block_id = self._lru.pop(block_hash, evicted=evicted)
         self._free.append(block_id)
         self._fingerprints[block_id] = NO_FINGERPRINT
-        self._digests[block_id] = None
         return block_id
 
     def clear(self, hold: Sequence[BlockHash] = ()) -> dict[BlockHash, int]:
@@ -184,14 +165,12 @@ class BlockPool:
         self._free = [i for i in range(self.num_blocks - 1, -1, -1) if i not in self._held]
         for i in self._free:
             self._fingerprints[i] = NO_FINGERPRINT
-            self._digests[i] = None
         return held
 
     def release_slot(self, block_id: int) -> None:
         """Free a slot that :meth:`clear` held."""
         self._held.remove(block_id)
         self._fingerprints[block_id] = NO_FINGERPRINT
-        self._digests[block_id] = None
         self._free.append(block_id)
 
     @property

@@ -214,8 +214,7 @@ class DiskHandler(_IOHandler):
 
     def _write(self, job: TransferJob) -> JobResult:
         pool = self.pool
-        puts = [(h, self.namespace, pool.tensor[s], pool.fingerprint_at(s), pool.payload_digest_at(s))
-                for h, s in zip(job.block_hashes, job.src_ids)]
+        puts = [(h, self.namespace, pool.tensor[s], pool.fingerprint_at(s)) for h, s in zip(job.block_hashes, job.src_ids)]
         # room was made when the job was submitted (under the store's lock, victims unpinned)
         ok = self.disk.write_batch(puts)
         reasons = {i: "full" for i, good in enumerate(ok) if not good}
