@@ -17,6 +17,8 @@ import weakref
 from functools import partial
 from typing import Callable, Sequence
 
+import torch
+
 from kvtier.store.misses import MissMemory
 from kvtier.store.placement import Placement
 from kvtier.store.residency import Residency
@@ -71,7 +73,9 @@ class StorePath:
         into a full CPU slab went from 0.64-0.69x to 0.77-0.80x of a raw write in
         bench/results/2026-12-02-disk-4/micro/inter.py). Returns the handle and the indices
         already written that way (each checked to have got the slot it was written into);
-        the caller writes the others. Those writes run under the store's lock."""
+        the caller writes the others. Those writes run under the store's lock (and inside
+        LMDB's write transaction); not while CUDA is in use (``write`` may copy from a
+        device, where a copy per block costs more than it saves)."""
         residency = self._residency
         with residency.lock:
             self._check_open()
@@ -79,7 +83,9 @@ class StorePath:
             top = self._placement.top
             present = residency.lease([h for h in block_hashes if h in top])  # not evicted by make_room
             refill, written_at = None, {}
-            if write is not None:
+            # measured with host-memory sources only: a write from a device, one block at a
+            # time, would be a transfer per block
+            if write is not None and not torch.cuda.is_initialized():
                 order: list[int] = []  # the indices that will be allocated, in order (as below)
                 seen: set[BlockHash] = set()
                 for i, h in enumerate(block_hashes):

@@ -222,3 +222,17 @@ def test_disk_write_batch_after_put_is_called_once_per_record_put(tmp_path):
     seen.clear()  # already present: skipped, not called
     assert disk.write_batch([(hashes[0], NS, blocks[0])], after_put=seen.append) == [True] and seen == []
     disk.close()
+
+
+def test_no_refill_while_cuda_is_in_use(make_store, monkeypatch):
+    store, old, old_blocks = _full_slab(make_store)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    new, new_blocks = chain(4, SPEC, NS), random_blocks(SPEC, 4, seed=9)
+    write, calls = _recording(store.top, new_blocks)
+    assert store.store_with(new, write) == 4
+    assert calls == [[0, 1, 2, 3]]  # one write after the spill, as before
+    n, out = read_back(store, new)
+    assert n == 4 and torch.equal(out, new_blocks)
+    statuses, on_disk = _disk_bytes(store, old[4:])
+    assert statuses == [ReadStatus.OK] * 4 and torch.equal(on_disk, old_blocks[4:])
+    store.check_invariants()
