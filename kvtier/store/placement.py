@@ -6,7 +6,10 @@ skipping pinned and pending blocks (:mod:`kvtier.store.residency`). Blocks of on
 touched tail first, so a request's tail is evicted before its head and a shared prefix goes
 last (vLLM's free-block queue; LMCache issue 1116). Under ``write_back`` victims spill one
 tier down (pool -> next pool -> DISK, batched into LMDB transactions of ~64 MiB) unless that
-tier already holds them; DISK victims are dropped. Every method expects the store's lock held.
+tier already holds them; DISK victims are dropped. A store into the last pool may write each
+new block into a victim's slot as soon as LMDB has copied the victim (``make_room``'s
+``refill``: the slot is still in cache, so the copy-in does not read it from DRAM again).
+Every method expects the store's lock held.
 """
 
 from __future__ import annotations
