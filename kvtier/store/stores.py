@@ -69,9 +69,9 @@ class StorePath:
         """:meth:`prepare`; given ``write`` (``write(indices, block_ids)``, indices into
         ``block_hashes``), the blocks whose victims spill to DISK are written as each victim
         leaves its slot (:meth:`Placement.make_room`'s ``refill``: the slot is still in cache
-        from LMDB's copy, so the new block's copy does not read it from DRAM again; a store
-        into a full CPU slab went from 0.64-0.69x to 0.77-0.80x of a raw write in
-        bench/results/2026-12-02-disk-4/micro/inter.py). Returns the handle and the indices
+        from LMDB's copy, so the new block's copy does not miss cache again: store() into a
+        full CPU slab of 128 x 2 MiB, same process, medians, 0.53-0.69x -> 0.62-0.76x of a
+        raw write in six of six runs, bench/results/2026-12-02-disk-4/micro/ab3.log). Returns the handle and the indices
         already written that way (each checked to have got the slot it was written into);
         the caller writes the others. Those writes run under the store's lock (and inside
         LMDB's write transaction); not while CUDA is in use (``write`` may copy from a
