@@ -6,7 +6,10 @@ skipping pinned and pending blocks (:mod:`kvtier.store.residency`). Blocks of on
 touched tail first, so a request's tail is evicted before its head and a shared prefix goes
 last (vLLM's free-block queue; LMCache issue 1116). Under ``write_back`` victims spill one
 tier down (pool -> next pool -> DISK, batched into LMDB transactions of ~64 MiB) unless that
-tier already holds them; DISK victims are dropped. Every method expects the store's lock held.
+tier already holds them; DISK victims are dropped. A store into the last pool may write each
+new block into a victim's slot as soon as LMDB has copied the victim (``make_room``'s
+``refill``: the slot is still in cache, so the copy-in does not read it from DRAM again).
+Every method expects the store's lock held.
 """
 
 from __future__ import annotations
@@ -144,9 +147,18 @@ class Placement:
         )
 
     # -- eviction ----------------------------------------------------------------------------
-    def make_room(self, index: int, num_blocks: int) -> None:
+    def make_room(self, index: int, num_blocks: int, refill: Callable[[int, int], None] | None = None) -> None:
         """Evict from ``pools[index]`` until ``num_blocks`` slots are free (or nothing more
-        is evictable); victims spill down in one batch."""
+        is evictable); victims spill down in one batch.
+
+        ``refill(j, slot)``: when the victims spill from the last pool to DISK, called for
+        each victim's ``slot`` right after LMDB copied it, while its memory is in cache:
+        ``slot`` is the one the ``j``-th allocation after this call gets (victims are freed
+        in order and :meth:`BlockPool.allocate` hands out the last freed slot first), so the
+        caller may write that block's bytes there now instead of after the whole spill. Every
+        victim is freed on return, spilled or not; none is offered when a victim is protected
+        (it might be kept). The caller must check that allocation ``j`` did get ``slot``
+        (kvtier.store.stores)."""
         self._residency.drain()
         pool = self.pools[index]
         missing = num_blocks - pool.num_free
@@ -161,14 +173,21 @@ class Placement:
             spill = victims
         else:
             spill = [h for h in victims if not self.below_has(index, h)]
-        self.write_down(index, spill)
-        # The head of a request being stored is never dropped to make room for its own tail
-        # (a request larger than every tier keeps its head: the part a later prompt can hit).
-        victims = [h for h in victims if not self._residency.is_protected(h) or self.below_has(index, h)]
-        for h in victims:
-            pool.free(h, evicted=True)
-        self._stats.evicted_blocks[pool.medium] += len(victims)
-        self.events.removed(pool.medium, victims)
+        after_put = None
+        if refill is not None and index + 1 == len(self.pools) and not any(map(self._residency.is_protected, victims)):
+            order = {h: len(victims) - 1 - p for p, h in enumerate(victims)}
+            after_put = lambda h: refill(order[h], pool.block_id(h))  # noqa: E731
+        try:
+            self.write_down(index, spill, after_put)
+        finally:
+            # The head of a request being stored is never dropped to make room for its own
+            # tail (a request larger than every tier keeps its head: the part a later prompt
+            # can hit). Freed even when the spill raised: a refilled slot holds other bytes.
+            victims = [h for h in victims if not self._residency.is_protected(h) or self.below_has(index, h)]
+            for h in victims:
+                pool.free(h, evicted=True)
+            self._stats.evicted_blocks[pool.medium] += len(victims)
+            self.events.removed(pool.medium, victims)
 
     def _victims(self, pool: BlockPool, num_blocks: int) -> list[BlockHash]:
         victims = []
@@ -213,13 +232,16 @@ class Placement:
             self.events.removed(Medium.DISK, victims)
 
     # -- spills ------------------------------------------------------------------------------
-    def write_down(self, index: int, block_hashes: list[BlockHash]) -> None:
+    def write_down(
+        self, index: int, block_hashes: list[BlockHash], after_put: Callable[[BlockHash], None] | None = None
+    ) -> None:
         """Copy blocks of ``pools[index]`` into the next tier down (the next pool, else
-        DISK), skipping those it already holds; blocks that find no room there are dropped."""
+        DISK), skipping those it already holds; blocks that find no room there are dropped.
+        ``after_put``: see :meth:`spill_to_disk` (DISK only)."""
         pool = self.pools[index]
         if index + 1 == len(self.pools):
             if self.disk is not None:
-                self.spill_to_disk(pool, [h for h in block_hashes if h not in self.disk])
+                self.spill_to_disk(pool, [h for h in block_hashes if h not in self.disk], after_put)
             return
         below = self.pools[index + 1]
         todo = [h for h in block_hashes if h not in below]
@@ -238,9 +260,12 @@ class Placement:
         self._stats.spilled_blocks[below.medium] += len(copied)
         self.events.stored(below.medium, copied)
 
-    def spill_to_disk(self, pool: BlockPool, block_hashes: list[BlockHash]) -> None:
+    def spill_to_disk(
+        self, pool: BlockPool, block_hashes: list[BlockHash], after_put: Callable[[BlockHash], None] | None = None
+    ) -> None:
         """Write blocks of ``pool`` to DISK, batched into LMDB transactions of ~64 MiB
-        (evicting DISK victims in the first); keeps the newest that fit."""
+        (evicting DISK victims in the first); keeps the newest that fit. ``after_put(h)``:
+        called once LMDB has copied ``h``'s slot (``DiskTier.write_batch``'s ``after_put``)."""
         if not block_hashes or self.disk is None:
             return
         if any(h in self.disk_in_flight for h in block_hashes):
@@ -265,7 +290,8 @@ class Placement:
                 block = block if block.device.type == "cpu" else block.cpu()
                 puts.append((h, self.namespace, block, pool.fingerprint_at(block_id)))
             try:
-                ok = self.disk.write_batch(puts, deletes=victims if start == 0 else ())
+                hook = None if after_put is None else (lambda i, puts=puts: after_put(puts[i][0]))
+                ok = self.disk.write_batch(puts, deletes=victims if start == 0 else (), after_put=hook)
             except Exception as exc:  # never into the inference loop: the blocks are just not on DISK
                 logger.warning("DISK spill of %d blocks failed: %s", len(puts), repr(exc))  # text: see lookup.py
                 ok, reason = [False] * len(puts), "error"

@@ -49,7 +49,7 @@ import os
 import struct
 import threading
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -213,6 +213,7 @@ class DiskTier:
         puts: Sequence[tuple[BlockHash, bytes, torch.Tensor]] = (),
         deletes: Sequence[BlockHash] = (),
         evicted: bool = True,
+        after_put: Callable[[int], None] | None = None,
     ) -> list[bool]:
         """Delete ``deletes`` and write ``puts`` in one LMDB write transaction.
 
@@ -223,6 +224,11 @@ class DiskTier:
                 :data:`~kvtier.types.NO_FINGERPRINT`).
             deletes: hashes to drop.
             evicted: the deletes make room (remembered by the eviction policy).
+            after_put: called with ``i`` as soon as ``puts[i]``'s record is in the
+                transaction (LMDB has copied its block: the block's memory may be reused from
+                then on, while it is still in cache; kvtier.store.placement). Not called for
+                a put that was skipped or refused; must not raise. The transaction may still
+                fail to commit afterwards (every result ``False`` then).
 
         Returns:
             one bool per put: ``True`` when stored (or already present), ``False`` when it did
@@ -232,9 +238,9 @@ class DiskTier:
         if self.read_only:
             return [False] * len(puts)
         with self._lock:
-            return self._write_batch(puts, deletes, evicted)
+            return self._write_batch(puts, deletes, evicted, after_put)
 
-    def _write_batch(self, puts, deletes, evicted) -> list[bool]:
+    def _write_batch(self, puts, deletes, evicted, after_put=None) -> list[bool]:
         results: list[bool] = []
         if puts and not self._filesystem_has_room(sum(put[2].numel() * put[2].element_size() for put in puts)):
             logger.warning("DISK: filesystem of %s is full; %d blocks not written", self.path, len(puts))
@@ -247,7 +253,7 @@ class DiskTier:
                     txn.delete(h)
                 used = self._used - sum(self._lru.get(h, 0) for h in set(deletes))
                 staged: list[tuple[BlockHash, IndexEntry]] = []
-                for h, namespace, block, *rest in puts:
+                for i, (h, namespace, block, *rest) in enumerate(puts):
                     if h in self._lru and h not in deletes:
                         results.append(True)
                         continue
@@ -266,6 +272,8 @@ class DiskTier:
                         continue
                     self._seq += 1
                     put_record(txn, h, namespace, block, self._seq, fingerprint)
+                    if after_put is not None:
+                        after_put(i)
                     used += size
                     staged.append((h, IndexEntry(self._seq, size, fingerprint, False)))
                     results.append(True)
