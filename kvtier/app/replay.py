@@ -91,6 +91,10 @@ class MemoryDiskIndex:
         if block_hash in self._lru:
             self._lru.touch(block_hash)
 
+    def touch_many(self, block_hashes: Sequence[Any]) -> None:
+        """:meth:`touch` of each of ``block_hashes`` held here, in order (as DiskTier's)."""
+        self._lru.touch_many(block_hashes)
+
     def refresh(self, block_hash: Any) -> None:
         if block_hash in self._lru:
             self._lru.refresh(block_hash)
