@@ -23,7 +23,7 @@ Hit rates are per block requested (a block is ``block_size`` tokens).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -102,15 +102,22 @@ class MemoryDiskIndex:
     def was_evicted(self, block_hash: Any) -> bool:
         return self._lru.was_evicted(block_hash)
 
-    def write_batch(self, puts: Sequence = (), deletes: Sequence = (), evicted: bool = True) -> list[bool]:
+    def write_batch(
+        self, puts: Sequence = (), deletes: Sequence = (), evicted: bool = True,
+        after_put: Callable[[int], None] | None = None,
+    ) -> list[bool]:
+        """As :meth:`kvtier.tiers.disk.DiskTier.write_batch` (``after_put(i)`` once
+        ``puts[i]`` is newly written), without bytes."""
         for h in deletes:
             if h in self._lru:
                 self._lru.pop(h, evicted=evicted)
         ok = []
-        for h, *_ in puts:
+        for i, (h, *_) in enumerate(puts):
             fits = h in self._lru or len(self._lru) < self.capacity_bytes
             if fits and h not in self._lru:
                 self._lru.add(h, 1)
+                if after_put is not None:
+                    after_put(i)
             ok.append(fits)
         return ok
 

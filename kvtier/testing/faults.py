@@ -321,7 +321,7 @@ def inject_disk_faults(target, plan: FaultPlan) -> Iterator[FaultPlan]:
     real_write_batch = disk.write_batch  # bound method of the class
     real_has_room = disk._filesystem_has_room
 
-    def write_batch(puts=(), deletes=(), evicted=True):
+    def write_batch(puts=(), deletes=(), evicted=True, after_put=None):
         hit = plan.pick("write", puts[0][0]) if puts else None
         if hit is not None:
             if hit.fault.kind == "raise":
@@ -333,7 +333,7 @@ def inject_disk_faults(target, plan: FaultPlan) -> Iterator[FaultPlan]:
                 hit = None
         faults.local.write = None if hit is None else (hit, hit.rng.randrange(len(puts)))
         try:
-            return real_write_batch(puts, deletes, evicted)
+            return real_write_batch(puts, deletes, evicted, after_put)
         finally:
             faults.local.write = None
 
