@@ -175,7 +175,9 @@ def _access(request: web.Request, handler: Handler) -> Handler:
     resource = request.match_info.route.resource
     path = resource.canonical if resource is not None else None
     app = request.app
-    access = app[ACCESS].get((request.method, path), "admin")
+    # HEAD is GET without the body (aiohttp answers it on every GET route): GET's access
+    method = "GET" if request.method == "HEAD" else request.method
+    access = app[ACCESS].get((method, path), "admin")
     if access == "public" or request.path in app[PUBLIC_PATHS]:
         return handler
     try:

@@ -122,7 +122,7 @@ def _dechunk(sock: socket.socket, data: bytes) -> bytes:
 def raw(port: int, data: bytes, timeout_s: float = 10.0) -> tuple[int, dict, bytes]:
     with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
         sock.sendall(data)
-        return read_response(sock, timeout_s)
+        return read_response(sock, timeout_s, no_body=data.startswith(b"HEAD "))
 
 
 def call(port: int, method: str, path: str, body: bytes = b"", headers: dict | None = None,

@@ -64,6 +64,18 @@ def test_only_an_admin_token_deletes_or_resets_a_namespace(secure_daemon):
     assert call(daemon.port, "POST", ns_url(NS, "lookup"), pack({"block_hashes": hs}), bearer(TOKEN_A))[0] == 404
 
 
+def test_head_has_its_get_routes_access(secure_daemon):
+    """HEAD of a tenant's GET route is the tenant's (it was refused as "needs an admin token");
+    HEAD of an admin route stays admin; no token stays 401."""
+    daemon = secure_daemon()
+    assert call(daemon.port, "HEAD", "/v1/stats", b"", bearer(TOKEN_A))[0] == 200
+    status, _, reply = call(daemon.port, "HEAD", "/v1/channel", b"", bearer(TOKEN_A))
+    assert status not in (401, 403) and status < 500, status
+    assert call(daemon.port, "HEAD", "/v1/admin/namespaces", b"", bearer(TOKEN_A))[0] == 403
+    assert call(daemon.port, "HEAD", "/v1/admin/namespaces", b"", bearer(ADMIN))[0] == 200
+    assert call(daemon.port, "HEAD", "/v1/stats", b"", {})[0] == 401
+
+
 def test_a_tenant_limited_to_namespaces_cannot_use_another(secure_daemon, tmp_path):
     path = token_file(tmp_path / "limited.json", {"tenants": {
         "ops": {"admin": True, "tokens": [ADMIN]}, "a": {"tokens": [TOKEN_A], "namespaces": [OTHER_NS.hex()]}}})
