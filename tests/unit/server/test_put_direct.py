@@ -274,13 +274,10 @@ async def test_a_store_with_disk_and_a_durable_daemon_take_the_staging_path(make
     store.check_invariants()
 
 
-async def test_a_put_that_finds_the_store_lock_held_waits_for_it_on_a_thread(make_api, monkeypatch):
+def _hold_lock(store):
+    """A thread holding ``store``'s lock until the returned event is set: (thread, event)."""
     import threading
 
-    client = await make_api(**DIRECT)
-    await register(client)
-    _no_staging(monkeypatch)
-    store = _store(client)
     held, go = threading.Event(), threading.Event()
 
     def hold():
@@ -290,7 +287,16 @@ async def test_a_put_that_finds_the_store_lock_held_waits_for_it_on_a_thread(mak
 
     thread = threading.Thread(target=hold)
     thread.start()
-    held.wait(5)
+    assert held.wait(5)
+    return thread, go
+
+
+async def test_a_put_that_finds_the_store_lock_held_waits_for_it_on_a_thread(make_api, monkeypatch):
+    client = await make_api(**DIRECT)
+    await register(client)
+    _no_staging(monkeypatch)
+    store = _store(client)
+    thread, go = _hold_lock(store)
     hs, blocks = hashes(3), random_blocks(SPEC, 3, seed=21)
     put = asyncio.ensure_future(put_blocks(client, hs, blocks))
     await asyncio.sleep(0.3)
@@ -303,24 +309,13 @@ async def test_a_put_that_finds_the_store_lock_held_waits_for_it_on_a_thread(mak
 
 
 def test_prepare_and_complete_store_without_waiting_give_way_to_a_lock_holder(tmp_path):
-    import threading
-
     from kvtier.config import StoreConfig
     from kvtier.store import TieredStore
 
     store = TieredStore(SPEC, StoreConfig(gpu_bytes=0, cpu_bytes=4 * SPEC.block_nbytes, disk_bytes=0,
                                           data_dir=tmp_path, block_size=SPEC.block_size), namespace=NAMESPACE)
     h = hashes(1)
-    held, go = threading.Event(), threading.Event()
-
-    def hold():
-        with store.residency.lock:
-            held.set()
-            go.wait(5)
-
-    thread = threading.Thread(target=hold)
-    thread.start()
-    held.wait(5)
+    thread, go = _hold_lock(store)
     assert store.prepare_store(h, blocking=False) is None
     go.set()
     thread.join()
