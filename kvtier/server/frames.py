@@ -242,11 +242,13 @@ async def receive_blocks(request: web.Request, registry: "Registry", entry: "Nam
             await batch.flush()
             await batch.drain()
         if direct is not None:
-            direct.acknowledge(stored)
+            await direct.acknowledge(stored)
     except Expired as exc:
         reset(request.transport)
         raise error(web.HTTPRequestTimeout, f"put body: {exc}") from None
     finally:
+        if direct is not None:
+            direct.release()
         if batch is not None:
             await batch.release()
     return stored
@@ -401,8 +403,12 @@ class _Direct:
     frees the slot it was writing; blocks completed before it stay stored, as on the staging
     path. A frame that gets no fresh slot (the block is stored already, another request is
     writing it, every slot is pinned) goes the staging path, which answers those cases as
-    ``TieredStore.store`` does. A put holds one reserved slot at a time, so a batch longer
-    than the top pool still goes through.
+    ``TieredStore.store`` does. A put holds one reserved slot at a time, and each block it
+    published is protected from eviction until the put ends (as ``TieredStore.store``
+    protects the chunks it stored): a batch longer than the pool can take stores its head
+    and is refused the rest (``False``), never evicting its own head for its tail; and a
+    block is acknowledged only if it is still in the store when the put ends (case B2:
+    never claim more than is stored).
 
     Only for a store with nothing below its top pool (no DISK, no REMOTE, one pool): making
     room there evicts without I/O, so the store's lock is taken on the event loop, without
@@ -420,6 +426,8 @@ class _Direct:
         self.slots = top.view(torch.uint8).numpy().reshape(top.shape[0], -1)
         self.parent: BlockHash | None = None
         self.done: list[tuple[int, BlockHash]] = []
+        self.protected: list[BlockHash] = []  # published here, protected until release()
+        self.released = False
 
     @classmethod
     def of(cls, registry: "Registry", entry: "Namespace") -> "_Direct | None":
@@ -459,22 +467,65 @@ class _Direct:
             _abandon(handle)
             raise
         ok = digest.intdigest() == checksum
-        if not self.store.complete_store(handle, success=ok, blocking=False):
-            # shielded: a call cancelled now (the client went away) still completes the handle
-            await asyncio.shield(asyncio.ensure_future(
-                self.registry.run_on(self.entry, self.store.complete_store, handle, ok)))
-        block_hash = handle.block_hashes[0]
-        # published, unless a reset made the handle stale (then it freed the slot instead)
-        if ok and handle.generation == self.store.residency.generation:
-            self.parent = block_hash
-            self.done.append((index, block_hash))
+        if await self._locked(self._publish, handle, ok):
+            self.parent = handle.block_hashes[0]
+            self.done.append((index, handle.block_hashes[0]))
         return ok
 
-    def acknowledge(self, stored: list[bool]) -> None:
-        """``stored[i] = True`` for each block published here (``--durable`` puts never come
-        here: they wait for DISK commits, which the staging path's store call does)."""
-        for index, _ in self.done:
-            stored[index] = True
+    def _publish(self, handle, ok: bool) -> bool:
+        """Under the store's lock: complete ``handle``; a block it published is protected
+        until :meth:`release`. Returns whether it was published (not when a reset made the
+        handle stale: then it freed the slot instead)."""
+        with self.store.residency.lock:
+            self.store.complete_store(handle, success=ok)
+            published = ok and handle.generation == self.store.residency.generation
+            if published and not self.released:
+                self.store.residency.protect(handle.block_hashes)
+                self.protected.extend(handle.block_hashes)
+            return published
+
+    async def _locked(self, fn, *args):
+        """``fn(*args)`` (which takes the store's lock itself) on the event loop when the lock
+        is free now, else on a registry thread, shielded: a call cancelled meanwhile (the
+        client went away) still runs to its end."""
+        lock = self.store.residency.lock
+        if lock.acquire(blocking=False):
+            try:
+                return fn(*args)
+            finally:
+                lock.release()
+        return await asyncio.shield(asyncio.ensure_future(self.registry.run_on(self.entry, fn, *args)))
+
+    def _acknowledge(self, stored: list[bool]) -> None:
+        with self.store.residency.lock:
+            medium_of = self.store.placement.medium_of
+            for index, block_hash in self.done:
+                stored[index] = medium_of(block_hash) is not None
+
+    def _release(self) -> None:
+        with self.store.residency.lock:
+            self.released = True
+            protected, self.protected = self.protected, []
+            self.store.residency.unprotect(protected)
+
+    async def acknowledge(self, stored: list[bool]) -> None:
+        """``stored[i] = True`` for each block published here that is still in the store
+        (``--durable`` puts never come here: they wait for DISK commits, which the staging
+        path's store call does)."""
+        await self._locked(self._acknowledge, stored)
+
+    def release(self) -> None:
+        """Unprotect the blocks published here (the put is over, or failed): at once when the
+        store's lock is free, else on a registry thread (a publish still running there sees
+        ``released`` and protects nothing)."""
+        lock = self.store.residency.lock
+        if lock.acquire(blocking=False):
+            try:
+                self._release()
+            finally:
+                lock.release()
+        else:
+            asyncio.ensure_future(self.registry.run_on(self.entry, self._release))
 
 
 def _abandon(handle) -> None:

@@ -164,11 +164,14 @@ class Placement:
         missing = num_blocks - pool.num_free
         if missing <= 0:
             return
-        victims = self._victims(pool, missing)
+        # With nothing below this pool a protected victim could not be freed (it is kept:
+        # below), so it is passed over, not chosen in place of one that can go.
+        skip_protected = index + 1 == len(self.pools) and self.disk is None
+        victims = self._victims(pool, missing, skip_protected)
         # Background writes (REMOTE puts, write-through) pin their sources: wait for them
         # (each bounded by its tier's timeout) rather than refuse the store.
         if len(victims) < missing and self.wait_for_writes():
-            victims = self._victims(pool, missing)
+            victims = self._victims(pool, missing, skip_protected)
         if self.write_policy == "write_back":
             spill = victims
         else:
@@ -189,12 +192,13 @@ class Placement:
             self._stats.evicted_blocks[pool.medium] += len(victims)
             self.events.removed(pool.medium, victims)
 
-    def _victims(self, pool: BlockPool, num_blocks: int) -> list[BlockHash]:
+    def _victims(self, pool: BlockPool, num_blocks: int, skip_protected: bool = False) -> list[BlockHash]:
         victims = []
+        residency = self._residency
         for h in pool.lru_order():
             if len(victims) >= num_blocks:
                 break
-            if self._residency.evictable(pool.medium, h):
+            if residency.evictable(pool.medium, h) and not (skip_protected and residency.is_protected(h)):
                 victims.append(h)
         return victims
 

@@ -248,16 +248,50 @@ async def test_a_pool_with_every_slot_pinned_falls_back_and_refuses(make_api, mo
     store.check_invariants()
 
 
-async def test_a_batch_longer_than_the_pool_goes_through_one_slot_at_a_time(make_api, monkeypatch):
+@pytest.mark.parametrize("path", ["direct", "staging"])
+async def test_a_batch_longer_than_the_pool_stores_its_head_and_is_refused_the_rest(make_api, monkeypatch, path):
+    """Case B2 (never claim more than is stored): a put's own blocks are protected until it
+    ends, so its tail never evicts its head, and both paths answer alike (the direct path
+    once evicted its own head and acknowledged all ten, so that a lookup found none)."""
+    if path == "staging":
+        monkeypatch.setattr(frames_module._Direct, "of", classmethod(lambda cls, registry, entry: None))
     client = await make_api(cpu_blocks=4, disk_blocks=0)
     await register(client)
-    _no_staging(monkeypatch)
+    staged = _count_staged(monkeypatch)
     hs, blocks = hashes(10), random_blocks(SPEC, 10, seed=19)
-    assert await put_blocks(client, hs, blocks) == [True] * 10  # each was stored; the pool keeps the tail
-    assert (await lookup(client, hs[6:]))["num_blocks"] == 4
-    for h, block in zip(hs[6:], blocks[6:]):
+    assert await put_blocks(client, hs, blocks) == [True] * 4 + [False] * 6
+    assert (await lookup(client, hs))["num_blocks"] == 4
+    if path == "direct":
+        assert sum(staged) == 6  # the head straight into slots; the tail found none on either path
+    for h, block in zip(hs[:4], blocks[:4]):
         assert [p for _, _, p in await get_blocks(client, [h])] == [payload(block)]
-    _store(client).check_invariants()
+    store = _store(client)
+    assert not any(store.residency.is_protected(h) for h in hs)  # released when the put ended
+    for _ in range(100):  # the gets' leases are released once their replies are sent
+        if all(store.residency.evictable(Medium.CPU, h) for h in hs[:4]):
+            break
+        await asyncio.sleep(0.02)
+    others, more = hashes(4, salt=7), random_blocks(SPEC, 4, seed=20)
+    assert await put_blocks(client, others, more) == [True] * 4  # the next put may evict them
+    assert (await lookup(client, others))["num_blocks"] == 4
+    store.check_invariants()
+
+
+@pytest.mark.parametrize("path", ["direct", "staging"])
+async def test_a_put_beside_a_pinned_block_keeps_its_head(make_api, monkeypatch, path):
+    if path == "staging":
+        monkeypatch.setattr(frames_module._Direct, "of", classmethod(lambda cls, registry, entry: None))
+    client = await make_api(cpu_blocks=4, disk_blocks=0)
+    await register(client)
+    other, hs = hashes(1, salt=3), hashes(4, salt=4)
+    blocks = random_blocks(SPEC, 5, seed=22)
+    assert await put_blocks(client, other, blocks[:1]) == [True]
+    store = _store(client)
+    pinned = store.lookup(other, pin=True)  # a get in flight holds one slot
+    assert await put_blocks(client, hs, blocks[1:]) == [True, True, True, False]
+    assert (await lookup(client, hs))["num_blocks"] == 3
+    pinned.lease.release()
+    store.check_invariants()
 
 
 @pytest.mark.parametrize("setting", [{}, {"durable": True}])

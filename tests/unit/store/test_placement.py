@@ -49,6 +49,24 @@ def test_store_of_a_request_larger_than_all_tiers_never_claims_evicted_blocks(ma
     assert torch.equal(out, blocks[:n])
 
 
+def test_a_store_into_a_pool_with_nothing_below_passes_over_its_own_protected_chunk(make_store):
+    """Blocks used again sit in the SLRU's protected segment, after a new request's first
+    chunk in eviction order; that chunk is protected while the rest of its request goes in,
+    and with nothing below the pool it cannot be freed: it was chosen as the victim anyway
+    and the request's second half found no room (2 of 4 stored, daemon hostile run)."""
+    store = make_store(gpu_blocks=4)
+    old, new = chain(4, SPEC, NS), chain(4, SPEC, NS + b"x")
+    blocks = random_blocks(SPEC, 8)
+    assert store.store(old, blocks[:4]) == 4
+    n, _ = read_back(store, old)  # a use: old moves to the protected segment
+    assert n == 4
+    assert store.store(new, blocks[4:]) == 4
+    assert store.lookup(new).num_hit_blocks == 4
+    n, out = read_back(store, new)
+    assert n == 4 and torch.equal(out, blocks[4:])
+    store.check_invariants()
+
+
 def test_write_through_with_one_block_tiers_stays_consistent(make_store):
     store = make_store(gpu_blocks=1, cpu_blocks=1, disk_blocks=1, write_policy="write_through")
     for r in range(6):
