@@ -308,18 +308,9 @@ class TieredStore:
         finally:
             lock.release()
 
-    def complete_store(self, handle: StoreHandle, success: bool = True, blocking: bool = True) -> bool:
-        """Publish the written blocks (or free their slots when ``success`` is False).
-        Returns ``False`` only with ``blocking=False`` when another thread holds the store's
-        lock: nothing was done, call it again."""
-        lock = self.residency.lock
-        if not lock.acquire(blocking=blocking):
-            return False
-        try:
-            self._stores.complete(handle, success)
-        finally:
-            lock.release()
-        return True
+    def complete_store(self, handle: StoreHandle, success: bool = True) -> None:
+        """Publish the written blocks (or free their slots when ``success`` is False)."""
+        self._stores.complete(handle, success)
 
     def store(
         self, block_hashes: Sequence[BlockHash], blocks: torch.Tensor, fingerprints: Sequence[Fingerprint] | None = None

@@ -92,6 +92,10 @@ class SegmentedLRU(Generic[K, V]):
             self._protected[key] = self._probation.pop(key)
         else:
             self._protected.move_to_end(key)
+        self._bound_protected()
+
+    def _bound_protected(self) -> None:
+        """Demote protected's least recent entries to probation while it is over its bound."""
         limit = max(1, int(self.protected_fraction * len(self)))
         while len(self._protected) > limit:
             demoted, value = self._protected.popitem(last=False)
@@ -109,10 +113,7 @@ class SegmentedLRU(Generic[K, V]):
                 protected[key] = probation.pop(key)
             elif key in protected:
                 protected.move_to_end(key)
-        limit = max(1, int(self.protected_fraction * len(self)))
-        while len(protected) > limit:
-            demoted, value = protected.popitem(last=False)
-            probation[demoted] = value
+        self._bound_protected()
 
     def pop(self, key: K, evicted: bool = False) -> V:
         """Remove ``key``; ``evicted=True`` remembers it as a ghost (see the module doc)."""

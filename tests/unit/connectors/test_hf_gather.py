@@ -206,7 +206,7 @@ def test_hit_buffer_taken_from_many_threads_at_once_is_handed_to_one_only() -> N
 def test_cache_layers_are_shallow_copies_of_the_template_holding_the_given_tensors():
     import copy
 
-    from kvtier.connectors.hf_cache import _shallow_copy, cache_from_layers
+    from kvtier.connectors.hf_cache import _layer_copier, cache_from_layers
 
     keys = [torch.randn(1, 2, 5, 4) for _ in range(3)]
     values = [torch.randn(1, 2, 5, 4) for _ in range(3)]
@@ -214,7 +214,8 @@ def test_cache_layers_are_shallow_copies_of_the_template_holding_the_given_tenso
     assert [layer.keys is k and layer.values is v for layer, k, v in zip(cache.layers, keys, values)] == [True] * 3
     assert len({id(layer) for layer in cache.layers}) == 3 and cache.get_seq_length() == 5
     first = cache.layers[0]
-    assert type(_shallow_copy(first)) is type(first) and vars(_shallow_copy(first)) == vars(copy.copy(first))
+    copied = _layer_copier(first)()
+    assert type(copied) is type(first) and copied is not first and vars(copied) == vars(copy.copy(first))
 
     class Custom:  # a class that copies itself its own way goes through copy.copy
         def __init__(self):
@@ -225,4 +226,4 @@ def test_cache_layers_are_shallow_copies_of_the_template_holding_the_given_tenso
             new.copies = self.copies + 1
             return new
 
-    assert _shallow_copy(Custom()).copies == 1
+    assert _layer_copier(Custom())().copies == 1

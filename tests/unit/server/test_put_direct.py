@@ -342,7 +342,7 @@ async def test_a_put_that_finds_the_store_lock_held_waits_for_it_on_a_thread(mak
     store.check_invariants()
 
 
-def test_prepare_and_complete_store_without_waiting_give_way_to_a_lock_holder(tmp_path):
+def test_prepare_store_without_waiting_gives_way_to_a_lock_holder(tmp_path):
     from kvtier.config import StoreConfig
     from kvtier.store import TieredStore
 
@@ -357,7 +357,7 @@ def test_prepare_and_complete_store_without_waiting_give_way_to_a_lock_holder(tm
     assert handle is not None and handle.block_ids
     store.top.tensor[handle.block_ids[0]] = 1.0
     assert store.lookup(h).num_hit_blocks == 0  # pending: invisible
-    assert store.complete_store(handle, blocking=False) is True
+    store.complete_store(handle)
     assert store.lookup(h).num_hit_blocks == 1
     assert torch.equal(store.top.tensor[store.top.block_id(h[0])], torch.ones(SPEC.block_shape))
     store.check_invariants()
