@@ -86,8 +86,12 @@ class FrameReader:
 async def next_chunk(content) -> bytes:
     """The next received piece of the body as aiohttp buffered it; ``b""`` at its end (the
     empty pieces ``readchunk`` returns at the end of each HTTP chunk of a chunked body are
-    skipped)."""
+    skipped). The end is asked of ``at_eof`` first: a request without a body gets aiohttp's
+    one shared ``EMPTY_PAYLOAD``, whose ``readchunk`` answers ``(b"", True)`` without waiting
+    once any request read it to its end, which this loop would skip forever."""
     while True:
+        if content.at_eof():
+            return b""
         data, http_chunk_end = await content.readchunk()
         if data or not http_chunk_end:
             return data

@@ -507,3 +507,16 @@ async def test_one_middleware_keeps_every_layer_a_500_is_json_and_the_call_ends(
     assert response.status == 404 and "error" in await response.json()
     response = await client.post(ns_url(op="lookup"), data=b"x", headers={"Content-Type": "text/plain"})
     assert response.status == 415 and "Content-Type" in (await response.json())["error"]
+
+
+async def test_a_second_empty_put_body_is_a_400_too(make_api):
+    """aiohttp hands every request without a body the same ``EMPTY_PAYLOAD`` reader, whose
+    ``readchunk`` answers ``(b"", True)`` forever once it was read to its end: the second
+    empty put in a process spun the event loop in ``next_chunk`` (a suite hung there)."""
+    client = await make_api()
+    await register(client)
+    for _ in range(3):
+        response = await asyncio.wait_for(client.post(ns_url(NAMESPACE, "put"), data=b""), 10)
+        assert response.status == 400, await response.text()
+        assert "ends inside a frame" in (await response.json())["error"]
+    assert (await client.get("/healthz")).status == 200
