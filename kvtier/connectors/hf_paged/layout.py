@@ -29,6 +29,7 @@ undoes a reservation (:meth:`truncate`). All of it runs on transformers' generat
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Protocol
 
 import torch
@@ -134,11 +135,20 @@ class AllocatorsLayout:
 
     def append(self, request_id: str, past_tokens: int, num_tokens: int) -> int:
         """Give the request the paged blocks for ``num_tokens`` tokens after its first
-        ``past_tokens``, as far as free blocks and sectors allow (never evicting anything);
-        returns the tokens covered (``num_tokens`` or fewer)."""
+        ``past_tokens``, as far as free blocks and sectors allow, and, past those, paged
+        blocks that transformers keeps only for its own prefix cache (hashed, held by no
+        request): the oldest of them are evicted, only as many as the load needs. The request
+        needs those blocks anyway (to load into, or to compute into once transformers evicts
+        its cached blocks under pressure), and vLLM's block pool hands cached free blocks to
+        an allocation the same way, least recently freed first. A block a request holds is
+        never taken. Returns the tokens covered (``num_tokens`` or fewer)."""
         a, pool = self.allocator, self.cache.pool
         have = len(a.block_table.get(request_id, ()))
-        room = pool.count_free_blocks(a.index) + pool.num_free_sectors * a.blocks_per_sector
+        wanted = -(-(past_tokens + num_tokens) // self.page_size) - have
+        room = self._room()
+        if wanted > room:
+            self._evict_cached(wanted - room)
+            room = self._room()
         num_tokens = min(num_tokens, (have + room) * self.page_size - past_tokens)
         if num_tokens <= 0:
             return 0
@@ -146,6 +156,26 @@ class AllocatorsLayout:
             pool.allocate_sector(a.index)
         a.allocate_cache_to_request(request_id, past_tokens, num_tokens)
         return num_tokens
+
+    def _room(self) -> int:
+        a, pool = self.allocator, self.cache.pool
+        return pool.count_free_blocks(a.index) + pool.num_free_sectors * a.blocks_per_sector
+
+    def _evict_cached(self, num_blocks: int) -> int:
+        """Evict up to ``num_blocks`` of transformers' cached paged blocks, least recently
+        freed first (``BlockLedger.cached_blocks`` is an ordered set, appended on release),
+        forgetting their hashes as ``BlockLedger.evict_cached_blocks`` does for all of them;
+        returns how many."""
+        ledger = self.allocator.ledger
+        victims = list(itertools.islice(ledger.cached_blocks, num_blocks))
+        for block_id in victims:
+            del ledger.cached_blocks[block_id]
+            block_hash = ledger.block_to_hash.pop(block_id, None)
+            if block_hash is not None and ledger.hash_to_block.get(block_hash) == block_id:
+                del ledger.hash_to_block[block_hash]
+        if victims:
+            self.cache.pool.free_blocks(self.allocator.index, victims)
+        return len(victims)
 
     def register(self, request_id: str, token_ids: list[int], num_blocks: int) -> None:
         """Hash the first ``num_blocks`` unhashed paged blocks of the request (full ones, K/V

@@ -206,6 +206,39 @@ def test_truncate_gives_blocks_back(processor):
     assert _free_blocks(cache) == before + 3, moved("freeing a request's blocks (ledger.release / BlockManager.free_blocks)")
 
 
+@pytest.mark.skipif(GENERATION != "allocators", reason="transformers 5.18 - 5.24's BlockLedger keeps cached blocks")
+def test_append_evicts_only_the_cached_blocks_it_needs_least_recently_freed_first(processor):
+    """A load into a cache whose free blocks are gone takes transformers' cached blocks (held
+    by no request, kept for their hash), oldest first, only as many as it needs."""
+    cache = processor.cache
+    layout = make_layout(cache, BLOCK)
+    ledger = layout.allocator.ledger
+    old, new = list(range(5, 5 + 2 * PAGE + 3)), list(range(60, 60 + 2 * PAGE + 3))
+    tables = {}
+    for request_id, tokens in (("old", old), ("new", new)):
+        assert layout.append(request_id, 0, 2 * PAGE) == 2 * PAGE
+        layout.register(request_id, tokens, 2)
+        tables[request_id] = list(layout.block_table(request_id))
+    cache.free_blocks("old")
+    cache.free_blocks("new")
+    assert list(ledger.cached_blocks) == tables["old"] + tables["new"], moved("BlockLedger.cached_blocks (ordered set)")
+    free = _free_blocks(cache)
+    assert layout.append("busy", 0, free * PAGE) == free * PAGE and _free_blocks(cache) == 0
+
+    assert layout.append("load", 0, PAGE) == PAGE  # one block: the oldest cached one
+    assert layout.block_table("load") == tables["old"][:1]
+    assert list(ledger.cached_blocks) == tables["old"][1:] + tables["new"]
+    assert cache.search_prefix_match("old-again", old) == 0  # its first block is gone
+    assert cache.search_prefix_match("new-again", new) == 2 * PAGE  # untouched
+    cache.free_blocks("new-again")
+
+    # more than every cached block: all of them, and no more than that
+    assert layout.append("load", PAGE, 5 * PAGE) == 3 * PAGE
+    assert not ledger.cached_blocks and not ledger.hash_to_block.keys() & ledger.block_to_hash.values()
+    assert cache.search_prefix_match("new-again", new) == 0
+    assert layout.block_table("busy") is not None and len(layout.block_table("busy")) == free  # never taken
+
+
 def _free_blocks(cache) -> int:
     if GENERATION == "block_manager":
         return cache.get_num_free_blocks()
