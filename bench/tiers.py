@@ -21,6 +21,11 @@ in the same run:
   written just before (cached pages overwritten in place; no fsync for either, as LMDB runs with
   ``sync=False``; :data:`bench.common.RAW_WRITE_NOTE`, the same as bench/transfers.py's) and a
   ``readinto`` of that file into a preallocated tensor.
+- DISK put into a fresh tier: ``DiskTier.write_batch`` as above into a tier opened on a new
+  directory before each run, so every record goes into pages LMDB has never used (its file
+  grows into the map: the case of a DISK tier filling up, or a daemon taking its first puts).
+  Baseline: a raw sequential write of the same bytes into a new file (the previous run's
+  file deleted first, as the previous run's tier directory is).
 - DISK get, page cache dropped: the tier closed, its files dropped from the page cache
   (``--drop-caches``), reopened, then read as above. Baseline: ``readinto`` of the raw file
   after the same drop. The footnote says how much of the bytes came from storage.
@@ -312,6 +317,44 @@ def bench_disk(b: Bench) -> list[Row]:
         disk.close()
 
 
+def bench_disk_growth(b: Bench) -> Row:
+    """``DiskTier.write_batch`` into a fresh tier (LMDB growing its file) against a raw
+    write into a fresh file; each run's tier directory and file are new (the previous ones
+    removed before it, untimed)."""
+    capacity, B = b.num_blocks * record_footprint(SPEC.block_nbytes), b.disk_batch
+    raw_path, runs = b.work_dir / "raw-fresh.bin", itertools.count()
+    state: dict = {"disk": None, "dir": None}
+
+    def fresh_tier() -> None:
+        if state["disk"] is not None:
+            state["disk"].close()
+            shutil.rmtree(state["dir"])
+        state["dir"] = b.work_dir / f"fresh-{next(runs)}"
+        state["disk"], state["hashes"] = DiskTier(state["dir"], capacity), b.fresh_chain()
+
+    def put() -> None:
+        disk, hashes, fps = state["disk"], state["hashes"], b.fingerprints
+        for i in range(0, b.num_blocks, B):
+            batch = range(i, min(i + B, b.num_blocks))
+            ok = disk.write_batch([(hashes[j], NAMESPACE, b.src[j], fps[hashes[j]]) for j in batch])
+            assert all(ok), "DISK write_batch refused a block"
+
+    try:
+        row = b.row(f"DISK put into a fresh tier: write_batch({B}), LMDB file growing", Case(put, fresh_tier),
+                    Case(lambda: raw_write(raw_path, b.src, B), lambda: raw_path.unlink(missing_ok=True)),
+                    "raw write into a fresh file, no fsync")
+        for i in b.sample():
+            h = state["hashes"][i]
+            status = state["disk"].read_into(h, NAMESPACE, b.dst[i], b.fingerprints[h])
+            assert status is ReadStatus.OK, "DISK read failed"
+        b.check(b.dst, b.src, "DISK put into a fresh tier")
+        return row
+    finally:
+        if state["disk"] is not None:
+            state["disk"].close()
+        raw_path.unlink(missing_ok=True)
+
+
 def bench_store_disk(b: Bench) -> list[Row]:
     """Store-level DISK paths: spill (store into a full CPU slab) and promotion (DISK -> CPU)."""
     store = b.store(cpu_blocks=b.num_blocks, disk_blocks=2 * b.num_blocks)
@@ -394,7 +437,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
         gc.collect()
         rows.append(bench_promotion_to_gpu(b))
         gc.collect()
-        rows += bench_disk(b) + bench_store_disk(b)
+        rows += bench_disk(b)
+        rows.append(bench_disk_growth(b))
+        rows += bench_store_disk(b)
         if args.open_bytes:
             rows += open_rows(work_dir, src, args.open_bytes, NAMESPACE, args.repeats, args.stat, b.system_drop)
     finally:

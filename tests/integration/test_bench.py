@@ -66,7 +66,8 @@ def test_tiers_bench_writes_rows_with_same_run_baselines(tmp_path):
     data = json.loads(out.read_text())
     assert data["bench"] == "tiers"
     metrics = [row["metric"] for row in data["rows"]]
-    for prefix in ("GPU put", "GPU get", "CPU put", "CPU get", "DISK put", "DISK get", "DISK open"):
+    for prefix in ("GPU put", "GPU get", "CPU put", "CPU get", "DISK put", "DISK put into a fresh tier", "DISK get",
+                   "DISK open"):
         assert any(m.startswith(prefix) for m in metrics), f"no {prefix} row in {metrics}"
     opened = {row["unit"]: row for row in data["rows"] if row["metric"].startswith("DISK open")}
     assert set(opened) == {"ms", "MB"} and 0 < opened["MB"]["baseline"] and opened["ms"]["value"] > 0
