@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from kvtier.kernels import gather_blocks_to_contiguous, scatter_contiguous_to_blocks, use_triton
+from kvtier.tiers.host_memory import host_empty
 from kvtier.types import KVSpec, LayerGroup
 
 _WINDOWED_TYPES = {"sliding_attention": "sliding", "chunked_attention": "chunked"}
@@ -319,7 +320,7 @@ class HostHitBuffer:
                 return None
             if buffer is None or buffer.numel() < numel:
                 self._buffer = buffer = None  # the old one first: its pages go back before the new ones
-                self._buffer = buffer = torch.empty(numel, dtype=spec.dtype)
+                self._buffer = buffer = host_empty(numel, spec.dtype)  # huge pages: kvtier.tiers.host_memory
             return buffer[:numel].view(shape)
 
     def release(self) -> None:
