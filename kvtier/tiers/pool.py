@@ -22,6 +22,7 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
+from kvtier.tiers.host_memory import host_empty
 from kvtier.tiers.lru import SegmentedLRU
 from kvtier.types import NO_FINGERPRINT, BlockHash, Fingerprint, KVSpec, Medium
 
@@ -62,9 +63,12 @@ class BlockPool:
         self.spec = spec
         self.num_blocks = num_blocks
         pad = FRAME_PAD_NBYTES if torch.device(device).type == "cpu" else 0
-        flat = torch.empty(
-            pad + num_blocks * spec.block_nbytes, dtype=torch.uint8, device=device, pin_memory=pin_memory
-        )
+        if pad and not pin_memory:  # host memory on huge pages (kvtier.tiers.host_memory: a hit's gather)
+            flat = host_empty(pad + num_blocks * spec.block_nbytes)
+        else:
+            flat = torch.empty(
+                pad + num_blocks * spec.block_nbytes, dtype=torch.uint8, device=device, pin_memory=pin_memory
+            )
         self.tensor = flat[pad:].view(spec.dtype).view(num_blocks, *spec.block_shape)
         # Slot 0 is handed out first: pop() from the end of a reversed list.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
