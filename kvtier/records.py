@@ -43,9 +43,9 @@ _MAGIC_VERSION = struct.Struct("<4sH")
 HEADER_NBYTES = _HEADER.size + _CHECKSUM.size  # 128
 _DTYPE_CODES = {name: i + 1 for i, name in enumerate(sorted(DTYPE_NAMES.values()))}
 _DTYPE_BY_CODE = {code: name for name, code in _DTYPE_CODES.items()}
-_CHUNK_NBYTES = 512 << 10  # copy+hash granularity: a chunk's source and destination together fit in L2 (1 MiB
-# a core here), so the hash reads the destination from L2: 1 MiB chunks spill to L3 and measured ~15% slower on a
-# warm DISK get, 256 KiB chunks no faster than 512 KiB (per-chunk Python overhead; issue 17)
+_CHUNK_NBYTES = 512 << 10  # decode_into's copy+hash granularity, so the hash reads the destination from cache
+# (L2 is 512 KiB a core here, lscpu's "1 MiB (2 instances)"; L3 32 MiB): 1 MiB chunks measured ~15% slower on a warm
+# DISK get, 256 KiB chunks no faster than 512 KiB (per-chunk Python overhead; issue 17)
 
 
 class ReadStatus(enum.Enum):
@@ -236,19 +236,19 @@ def check_record(record: RecordHeader, checksum: int, fingerprint: bytes | None)
 
 def decode_into_view(value: memoryview, namespace: bytes, out: torch.Tensor, fingerprint: bytes | None = None) -> ReadStatus:
     """:func:`decode_into` into a destination of any strides (a block's place in a larger
-    buffer): each chunk of the payload is hashed where it lies in ``value`` (bringing it into
-    cache), then copied from there into its rows of ``out``, so the bytes delivered are the
-    bytes hashed and memory is read once. The strided copy is numpy's ``copyto``: per chunk
-    of a prefix of 1-4k tokens of SmolLM2-135M, 1.35-1.59x the time of one contiguous
-    ``Tensor.copy_`` of the prefix with the hash, vs 1.68-2.36x with ``Tensor.copy_`` for the
-    strided copy (its per-call cost: a block is a few chunks, a prefix hundreds of blocks;
-    bench/results/2026-12-02-hit-3/micro/disk_read.py).
+    buffer): the whole payload is hashed where it lies in ``value`` (bringing it into cache:
+    a block of SmolLM2-135M is 720 KiB, within L3), then copied from there into ``out`` by one
+    strided numpy ``copyto``, so the bytes delivered are the bytes hashed and memory is read
+    once from DRAM. Per block rather than in L2-sized chunks (512 KiB, one hash and one copy
+    per chunk, as before): ``before_prefill`` of a 1-4k token DISK hit 0.1-0.2x of a copy
+    faster, 11 of 12 same-process pairs (bench/results/2026-12-02-disk-5). numpy's ``copyto``
+    rather than ``Tensor.copy_`` for the strided copy: 1.35-1.59x vs 1.68-2.36x of one
+    contiguous copy with the hash (bench/results/2026-12-02-hit-3/micro/disk_read.py).
 
     Args:
         value, namespace, fingerprint: as for :func:`decode_into` (``value`` must not
             change while this runs: an LMDB read transaction's snapshot).
-        out: a CPU tensor of the record's shape and dtype, any strides; chunks follow its
-            leading dimension.
+        out: a CPU tensor of the record's shape and dtype, any strides.
 
     Returns:
         as :func:`decode_into`. Unless ``OK``, ``out`` may hold partial or other bytes:
@@ -261,10 +261,6 @@ def decode_into_view(value: memoryview, namespace: bytes, out: torch.Tensor, fin
     if record.payload_nbytes:
         src = np.frombuffer(value, dtype=np.uint8, offset=HEADER_NBYTES)
         dst = out.view(torch.uint8).numpy()  # the last dimension in bytes: same strides otherwise
-        rows = src.reshape(dst.shape)
-        row_nbytes = record.payload_nbytes // out.shape[0]
-        step = max(1, _CHUNK_NBYTES // max(1, row_nbytes))
-        for first in range(0, out.shape[0], step):
-            digest.update(src[first * row_nbytes : (first + step) * row_nbytes])
-            np.copyto(dst[first : first + step], rows[first : first + step])
+        digest.update(src)
+        np.copyto(dst, src.reshape(dst.shape))
     return check_record(record, digest.intdigest(), fingerprint)

@@ -314,3 +314,21 @@ def test_a_job_that_fails_to_start_opens_the_gate_for_the_others(model, tmp_path
     monkeypatch.setattr(engine, "submit", real_submit)
     kv.close()  # the first two jobs' promotions ran (the gate opened): close does not hang
     assert all(job.delivery is not None and job.delivery.ok for job in submitted[:2])
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_decode_into_view_of_a_block_larger_than_l2_checks_every_byte(where):
+    """A block of 720 KiB (hashed whole, then copied whole: no chunk of it skips the
+    check): one flipped payload byte anywhere is CORRUPT; intact, the strided place in the
+    larger buffer gets the block bit for bit and nothing around it changes."""
+    block = torch.randn(30, 2, 3, 16, 64)  # 720 KiB of float32: more than a 512 KiB chunk
+    record = memoryview(encode_record(NS, block, 1, b"f" * 32).tobytes())
+    big = torch.zeros(30, 2, 3, 48, 64)
+    out = big[:, :, :, 16:32]
+    assert decode_into_view(record, NS, out, b"f" * 32) is ReadStatus.OK and torch.equal(out, block)
+    assert torch.count_nonzero(big[:, :, :, :16]) == 0 and torch.count_nonzero(big[:, :, :, 32:]) == 0
+    payload = len(record) - HEADER_NBYTES
+    at = HEADER_NBYTES + {"first": 0, "middle": payload // 2 + 5, "last": payload - 1}[where]
+    damaged = bytearray(record)
+    damaged[at] ^= 0x10
+    assert decode_into_view(memoryview(bytes(damaged)), NS, out, b"f" * 32) is ReadStatus.CORRUPT
