@@ -1,7 +1,7 @@
 """The baseline itself on huge pages: one Tensor.copy_ of 45/90/180 MiB between torch.empty
 tensors vs between host_empty (THP) tensors, interleaved, medians and bests of 15."""
 import sys, time, statistics
-sys.path.insert(0, "/work/wt/hit")
+sys.path.insert(0, "/work/main")
 import torch
 torch.set_num_threads(1)
 from kvtier.tiers.host_memory import host_empty
