@@ -65,6 +65,7 @@ from kvtier.records import (
     record_version,
 )
 from kvtier.tiers.disk_index import DiskIndex, IndexDamaged, IndexEntry, open_index, remove_index
+from kvtier.tiers.host_memory import MADV_HUGEPAGE
 from kvtier.tiers.lru import SegmentedLRU
 from kvtier.types import NO_FINGERPRINT, BlockHash, Fingerprint, Medium
 
@@ -559,9 +560,6 @@ def _drop_all(env) -> int:
     return dropped
 
 
-MADV_HUGEPAGE = 14  # linux/mman.h
-
-
 def advise_huge_pages(path: Path, map_size: int) -> bool:
     """``madvise(MADV_HUGEPAGE)`` on this process's mappings of the file ``path`` that are
     ``map_size`` bytes long (LMDB's map of ``data.mdb``; py-lmdb does not give its address, so
@@ -574,6 +572,8 @@ def advise_huge_pages(path: Path, map_size: int) -> bool:
     page in before writing it; bench/results/2026-12-02-disk-5). Pages already cached keep
     their folios. Best effort: returns whether any mapping was advised (``False`` off Linux,
     without ``/proc``, or where the kernel refuses the advice: nothing else changes)."""
+    if MADV_HUGEPAGE is None:
+        return False
     try:
         st = os.stat(path)
         libc = ctypes.CDLL(None, use_errno=True)

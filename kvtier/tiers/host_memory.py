@@ -26,6 +26,10 @@ import torch
 HUGE_PAGE_NBYTES = 2 << 20
 """The x86-64 / arm64 (4 KiB base page) transparent huge page size: the alignment used."""
 
+MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
+"""``madvise`` advice for transparent huge pages (Linux only; ``None`` elsewhere): used here
+and for LMDB's map (:func:`kvtier.tiers.disk.advise_huge_pages`)."""
+
 
 def host_empty(numel: int, dtype: torch.dtype = torch.uint8, huge_pages: bool = True) -> torch.Tensor:
     """An uninitialised ``[numel]`` CPU tensor of ``dtype`` starting on a 2 MiB boundary, on
@@ -48,14 +52,13 @@ def host_empty(numel: int, dtype: torch.dtype = torch.uint8, huge_pages: bool = 
     if numel < 0:
         raise ValueError(f"expected numel >= 0, got {numel}")
     nbytes = numel * dtype.itemsize
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if not huge_pages or advice is None or nbytes < HUGE_PAGE_NBYTES:
+    if not huge_pages or MADV_HUGEPAGE is None or nbytes < HUGE_PAGE_NBYTES:
         return torch.empty(numel, dtype=dtype)
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_NBYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping until its storage is freed
     start = -whole.data_ptr() % HUGE_PAGE_NBYTES
     try:
-        mapping.madvise(advice, start, nbytes - nbytes % mmap.PAGESIZE)
+        mapping.madvise(MADV_HUGEPAGE, start, nbytes - nbytes % mmap.PAGESIZE)
     except OSError:  # THP off or unsupported here: ordinary pages
         pass
     # a tensor of its own on the mapping's storage, not a view of ``whole`` (a view keeps

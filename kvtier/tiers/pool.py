@@ -62,8 +62,9 @@ class BlockPool:
         self.medium = medium
         self.spec = spec
         self.num_blocks = num_blocks
-        pad = FRAME_PAD_NBYTES if torch.device(device).type == "cpu" else 0
-        if pad and not pin_memory:  # host memory on huge pages (kvtier.tiers.host_memory: a hit's gather)
+        on_host = torch.device(device).type == "cpu"
+        pad = FRAME_PAD_NBYTES if on_host else 0
+        if on_host and not pin_memory:  # on huge pages (kvtier.tiers.host_memory: a hit's gather)
             flat = host_empty(pad + num_blocks * spec.block_nbytes)
         else:
             flat = torch.empty(

@@ -161,11 +161,10 @@ class AllocatorsLayout:
         a, pool = self.allocator, self.cache.pool
         return pool.count_free_blocks(a.index) + pool.num_free_sectors * a.blocks_per_sector
 
-    def _evict_cached(self, num_blocks: int) -> int:
+    def _evict_cached(self, num_blocks: int) -> None:
         """Evict up to ``num_blocks`` of transformers' cached paged blocks, least recently
         freed first (``BlockLedger.cached_blocks`` is an ordered set, appended on release),
-        forgetting their hashes as ``BlockLedger.evict_cached_blocks`` does for all of them;
-        returns how many."""
+        forgetting their hashes as ``BlockLedger.evict_cached_blocks`` does for all of them."""
         ledger = self.allocator.ledger
         victims = list(itertools.islice(ledger.cached_blocks, num_blocks))
         for block_id in victims:
@@ -175,7 +174,6 @@ class AllocatorsLayout:
                 del ledger.hash_to_block[block_hash]
         if victims:
             self.cache.pool.free_blocks(self.allocator.index, victims)
-        return len(victims)
 
     def register(self, request_id: str, token_ids: list[int], num_blocks: int) -> None:
         """Hash the first ``num_blocks`` unhashed paged blocks of the request (full ones, K/V

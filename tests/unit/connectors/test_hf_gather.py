@@ -228,21 +228,3 @@ def test_cache_layers_are_shallow_copies_of_the_template_holding_the_given_tenso
 
     assert _layer_copier(Custom())().copies == 1
 
-
-def test_plain_layers_are_appended_until_a_layer_on_another_device():
-    """_append_plain_layers: one new layer of the template's class and attributes per pair,
-    holding the pair; it stops before the first pair on another device, and cache_from_layers
-    then builds that layer and the rest its general way (every layer holds its own tensors)."""
-    from kvtier.connectors.hf_cache import _append_plain_layers, cache_from_layers
-
-    keys = [torch.randn(1, 2, 5, 4) for _ in range(5)]
-    values = [torch.randn(1, 2, 5, 4) for _ in range(5)]
-    template = cache_from_layers(keys[:1], values[:1]).layers[0]
-    keys[3], values[3] = keys[3].to("meta"), values[3].to("meta")
-    layers: list = []
-    _append_plain_layers(layers, (type(template), vars(template)), torch.device("cpu"), keys, values)
-    assert [(layer.keys is k, layer.values is v) for layer, k, v in zip(layers, keys, values)] == [(True, True)] * 3
-    assert all(type(layer) is type(template) and layer.is_initialized for layer in layers) and len(layers) == 3
-    cache = cache_from_layers(keys, values)
-    assert [layer.keys is k and layer.values is v for layer, k, v in zip(cache.layers, keys, values)] == [True] * 5
-    assert [layer.keys.device.type for layer in cache.layers] == ["cpu", "cpu", "cpu", "meta", "cpu"]
