@@ -53,3 +53,9 @@ def test_without_xdist_or_inside_a_worker_nothing_changes(monkeypatch):
 def test_one_core_gets_one_worker(monkeypatch):
     monkeypatch.setattr(lanes.os, "cpu_count", lambda: 1)
     assert _rewritten(["-m", "not slow"]) == ["-n", "1", "-m", "not slow"]
+
+
+def test_bytecode_is_kept_between_runs_even_where_the_environment_turned_it_off(monkeypatch):
+    monkeypatch.setattr(lanes.sys, "dont_write_bytecode", True)
+    _rewritten(["-q"])
+    assert lanes.sys.dont_write_bytecode is False
