@@ -83,6 +83,7 @@ from kvtier.connectors.hf_cache import (
     new_layer_tensors,
     scatter_from_layers,
 )
+from kvtier.connectors.hf_attention import PrefixAttention
 from kvtier.connectors.hf_media import PromptMedia, prompt_media
 from kvtier.connectors.ttft import ForwardTimer, PrefillRate
 from kvtier.hashing import KeyContext, LazyContentKeys, block_hashes_for, block_keys_for
@@ -247,6 +248,7 @@ class HFConnector:
         store.name = store.name or key_context.model_id
         self.prefill_rate = PrefillRate()
         self._timer = ForwardTimer(model)
+        self._prefix_attention = PrefixAttention(model)
         self._hit_buffer = HostHitBuffer(spec, hit_buffer_bytes) if spec.is_uniform else None
         self._pending: tuple[int, int, float] | None = None  # (computed, cached tokens, load s) of the last prefill
         self._unpublished: list[PrefetchHandle] = []  # hits served from the hit buffer, not yet published
@@ -420,6 +422,10 @@ class HFConnector:
         num_cached = plan.num_cached_tokens
         self._pending = (len(tokens) - num_cached, num_cached, time.perf_counter() - started)
         self._timer.arm()  # the model's next forward is this prompt's prefill
+        if num_cached:
+            self._prefix_attention.arm()  # causal attention after the prefix (hf_attention)
+        else:
+            self._prefix_attention.disarm()
         return plan
 
     def finish_loads(self) -> None:
@@ -566,6 +572,7 @@ class HFConnector:
         self.finish_loads()
         self._count_prefill()
         self._timer.close()
+        self._prefix_attention.close()
         if self._hit_buffer is not None:
             self._hit_buffer.release()
         self.store.close()

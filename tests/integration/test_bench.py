@@ -121,3 +121,27 @@ def test_hit_path_bench_checks_the_hit_and_writes_rows_with_same_run_baselines(t
         assert set(row) == ROW_KEYS and row["unit"] == "ms" and row["value"] > 0 and row["baseline"] > 0
         assert math.isclose(row["ratio"], row["value"] / row["baseline"], rel_tol=1e-9)
     assert [p.name for p in tmp_path.iterdir()] == [out.name]  # the bench removed its temp dir
+
+
+@pytest.mark.slow
+def test_prefix_attention_bench_checks_the_logits_and_writes_rows_with_same_run_baselines(tmp_path):
+    """tiny-llama, a 16-token hit on a 256-token prompt: TTFT with the prefix attention beside
+    the masked prefill and no cache, and SDPA's kernel time; the bench asserts the logits."""
+    out = tmp_path / "prefix.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "prefix_attention.py"), "--model", "tiny-llama", "--lengths", "256",
+         "--hits", "16", "--repeats", "1", "--threads", "1", "--json", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "prefix_attention"
+    metrics = [row["metric"] for row in doc["rows"]]
+    assert metrics == ["TTFT after a 16-token hit, 256-token prompt",
+                       "TTFT after a 16-token hit, 256-token prompt, vs no cache",
+                       "  TTFT with the masked SDPA vs no cache: 16-token hit, 256-token prompt",
+                       "  SDPA kernel time, 16-token hit, 256-token prompt"], metrics
+    for row in doc["rows"]:
+        assert set(row) == ROW_KEYS and row["unit"] == "ms" and row["value"] > 0 and row["baseline"] > 0
+        assert math.isclose(row["ratio"], row["value"] / row["baseline"], rel_tol=1e-9)

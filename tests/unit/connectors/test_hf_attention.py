@@ -1,0 +1,194 @@
+"""The prefill after a hit runs causal SDPA, not the masked rectangle (kvtier.connectors.hf_attention)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.config import StoreConfig
+from kvtier.connectors import hf_attention
+from kvtier.connectors.hf import HFConnector, cache_kwarg
+from kvtier.connectors.hf_attention import ATTN_IMPLEMENTATION, PrefixAttention, prefix_causal_sdpa
+
+sdpa = pytest.importorskip("transformers.integrations.sdpa_attention").sdpa_attention_forward
+BLOCK = 16
+
+
+class _Module(torch.nn.Module):
+    """What sdpa_attention_forward reads of an attention layer."""
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = True
+
+
+def _qkv(q_len: int, kv_len: int, heads: int = 4, kv_heads: int = 2, dim: int = 16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    full_q = torch.randn(1, heads, kv_len, dim, generator=g)
+    k, v = (torch.randn(1, kv_heads, kv_len, dim, generator=g) for _ in range(2))
+    return full_q, full_q[:, :, kv_len - q_len:], k, v
+
+
+def _lower_right(q_len: int, kv_len: int) -> torch.Tensor:
+    return torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)[None, None]
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The masks prefix_causal_sdpa hands to transformers' sdpa_attention_forward."""
+    hf_attention._register()
+    seen: list[torch.Tensor | None] = []
+    real = hf_attention._sdpa_forward
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append(attention_mask)
+        return real(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setattr(hf_attention, "_sdpa_forward", spy)
+    return seen
+
+
+@pytest.mark.parametrize("q_len, kv_len", [(40, 48), (33, 40), (2, 3)])
+def test_rows_equal_the_causal_full_prefill_bit_for_bit(calls, q_len, kv_len):
+    full_q, q, k, v = _qkv(q_len, kv_len)
+    module = _Module(groups=2)
+    full, _ = sdpa(module, full_q, k, v, None, scaling=0.25)  # the prefill without a cache
+    masked, _ = sdpa(module, q, k, v, _lower_right(q_len, kv_len), scaling=0.25)  # transformers after a hit
+    out, _ = prefix_causal_sdpa(module, q, k, v, _lower_right(q_len, kv_len), scaling=0.25)
+    assert calls == [None]  # the causal call, no mask
+    assert out.shape == (1, q_len, 4, 16)
+    assert torch.equal(out, full[:, kv_len - q_len:])
+    assert torch.allclose(out, masked, atol=1e-6)
+
+
+def _sliding(q_len: int, kv_len: int, window: int) -> torch.Tensor:
+    mask = _lower_right(q_len, kv_len).clone()
+    mask[0, 0] &= ~torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len - window)
+    return mask
+
+
+@pytest.mark.parametrize("case", ["sliding window", "float mask", "prefix over 40%", "decode step", "batch of 2",
+                                  "no prefix", "softcap"])
+def test_every_other_call_is_transformers_sdpa_with_its_mask(calls, case):
+    q_len, kv_len, batch, kwargs = 40, 48, 1, {}
+    mask = _lower_right(q_len, kv_len)
+    if case == "sliding window":
+        mask = _sliding(q_len, kv_len, window=8)
+    elif case == "float mask":
+        mask = torch.zeros(1, 1, q_len, kv_len).masked_fill(~mask, float("-inf"))
+    elif case == "prefix over 40%":
+        q_len = 20
+        mask = _lower_right(q_len, kv_len)
+    elif case == "decode step":
+        q_len = 1
+        mask = _lower_right(q_len, kv_len)
+    elif case == "batch of 2":
+        batch, mask = 2, mask.expand(2, 1, q_len, kv_len)
+    elif case == "no prefix":
+        q_len, mask = kv_len, None
+    elif case == "softcap":
+        kwargs = {"softcap": 30.0}
+    _, q, k, v = _qkv(q_len, kv_len)
+    q, k, v = (t.expand(batch, *t.shape[1:]) for t in (q, k, v))
+    module = _Module(groups=2)
+    if case == "softcap":  # transformers' sdpa refuses it; so does the prefix path, the same way
+        with pytest.raises(ValueError, match="softcap"):
+            prefix_causal_sdpa(module, q, k, v, mask, **kwargs)
+        assert len(calls) == 1 and calls[0] is mask
+        return
+    out, _ = prefix_causal_sdpa(module, q, k, v, mask)
+    expected, _ = sdpa(module, q, k, v, mask)
+    assert len(calls) == 1 and calls[0] is mask
+    assert torch.equal(out, expected)
+
+
+def test_a_mask_that_is_not_lower_right_causal_is_recognised():
+    assert hf_attention.is_lower_right_causal(_lower_right(5, 9), 5, 9)
+    padded = _lower_right(5, 9).clone()
+    padded[..., 0] = False  # left padding
+    assert not hf_attention.is_lower_right_causal(padded, 5, 9)
+    assert not hf_attention.is_lower_right_causal(_lower_right(5, 9).transpose(-1, -2), 9, 5)
+    assert not hf_attention.is_lower_right_causal(_lower_right(5, 9)[0], 5, 9)
+    assert not hf_attention.is_lower_right_causal(None, 5, 9)
+
+
+def _prompt(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_armed_forward_runs_on_the_prefix_attention_then_sdpa_again(model, calls):
+    assert model.config._attn_implementation == "sdpa"
+    prefix = PrefixAttention(model)
+    assert prefix.enabled
+    seen: list[str] = []
+    hook = model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda m, a: seen.append(m.config._attn_implementation))
+    try:
+        ids = _prompt(64)  # a 16-token prefix: 25% of the keys
+        with torch.inference_mode():
+            cache_out = model(ids[:, :16], use_cache=True)
+            prefix.arm()
+            model(ids[:, 16:], use_cache=True, **{cache_kwarg(model): cache_out.past_key_values})
+            model(ids[:, :1])  # the next forward: not armed
+        assert seen == ["sdpa", ATTN_IMPLEMENTATION, "sdpa"]
+        assert model.config._attn_implementation == "sdpa"
+        assert calls.count(None) == 3  # the padded call on each of the 3 layers of the armed forward
+    finally:
+        hook.remove()
+        prefix.close()
+
+
+def test_a_forward_that_raises_still_gives_the_model_back_its_sdpa(model):
+    prefix = PrefixAttention(model)
+    hook = model.model.layers[0].register_forward_pre_hook(lambda m, a: 1 / 0)
+    try:
+        prefix.arm()
+        with pytest.raises(ZeroDivisionError), torch.inference_mode():
+            model(_prompt(20))
+        assert model.config._attn_implementation == "sdpa"
+    finally:
+        hook.remove()
+        prefix.close()
+
+
+def test_a_model_on_another_implementation_is_left_alone(model, calls):
+    model.set_attn_implementation("eager")
+    prefix = PrefixAttention(model)
+    try:
+        prefix.arm()
+        with torch.inference_mode():
+            model(_prompt(20))
+        assert model.config._attn_implementation == "eager" and calls == []
+    finally:
+        prefix.close()
+        model.set_attn_implementation("sdpa")
+
+
+def test_a_hit_s_prefill_equals_the_full_prefill_and_skips_the_mask(model, calls, tmp_path):
+    """The connector arms it: after a 16-token hit on a 64-token prompt the suffix's logits are
+    the full prefill's bit for bit, every layer ran causal SDPA, and the model is on sdpa after."""
+    config = StoreConfig(gpu_bytes=4 << 20, cpu_bytes=4 << 20, disk_bytes=64 << 20, block_size=BLOCK,
+                         data_dir=tmp_path)
+    connector = HFConnector.from_model(model, config, model_id="tiny-llama")
+    try:
+        ids = _prompt(64, seed=3)
+        with torch.inference_mode():
+            full = model(ids, use_cache=True)
+        connector.after_request(ids[0, :17], full.past_key_values)  # stores the first block
+        plan = connector.before_prefill(ids)
+        assert plan.num_cached_tokens == BLOCK
+        calls.clear()
+        with torch.inference_mode():
+            suffix = model(ids[:, BLOCK:], use_cache=True, **plan.generate_kwargs())
+        assert calls == [None] * 3
+        assert torch.equal(suffix.logits[0], full.logits[0, BLOCK:])
+        assert model.config._attn_implementation == "sdpa"
+        calls.clear()
+        plan = connector.before_prefill(_prompt(64, seed=4))  # a miss: nothing armed
+        assert plan.num_cached_tokens == 0
+        with torch.inference_mode():
+            model(_prompt(64, seed=4), use_cache=True, **plan.generate_kwargs())
+        assert calls == []  # transformers' own sdpa ran, not the prefix attention
+    finally:
+        connector.close()
