@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvtier.app.families import SUPPORTED, tiny_model
 from kvtier.config import StoreConfig
 from kvtier.connectors import hf_attention
 from kvtier.connectors.hf import HFConnector, cache_kwarg
@@ -190,5 +191,43 @@ def test_a_hit_s_prefill_equals_the_full_prefill_and_skips_the_mask(model, calls
         with torch.inference_mode():
             model(_prompt(64, seed=4), use_cache=True, **plan.generate_kwargs())
         assert calls == []  # transformers' own sdpa ran, not the prefix attention
+    finally:
+        connector.close()
+
+
+
+FAMILIES = tuple(SUPPORTED)
+ALL_FULL_ATTENTION = ("llama", "qwen3", "deepseek-v3")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_s_prefill_after_a_hit_equals_its_full_prefill(name, calls, tmp_path):
+    """A 64-token hit on a 200-token prompt: the suffix's logits are the full prefill's bit for
+    bit; on SDPA models every layer's call went through the prefix attention, the full-attention
+    ones causal (no mask), the sliding or chunked ones with their own mask."""
+    model = tiny_model(name)
+    config = StoreConfig(gpu_bytes=0, cpu_bytes=16 << 20, disk_bytes=0, block_size=BLOCK, data_dir=tmp_path)
+    connector = HFConnector.from_model(model, config, model_id=name)
+    try:
+        ids = torch.randint(3, 250, (1, 200), generator=torch.Generator().manual_seed(1))
+        cold = connector.before_prefill(ids)  # a miss: kvtier's cache keeps every position
+        with torch.inference_mode():
+            full = model(ids, use_cache=True, **cold.generate_kwargs())
+        assert connector.after_request(ids[0, :65], cold.cache) == 4
+        plan = connector.before_prefill(ids)
+        assert plan.num_cached_tokens == 64
+        calls.clear()
+        with torch.inference_mode():
+            out = model(ids[:, 64:], use_cache=True, **plan.generate_kwargs())
+        assert torch.equal(out.logits[0], full.logits[0, 64:])
+        text = model.config.get_text_config()
+        if text._attn_implementation != "sdpa":  # eager (soft-capping, sinks): never swapped
+            assert calls == []
+            return
+        assert len(calls) == text.num_hidden_layers
+        padded = calls.count(None)
+        assert padded > 0 or all(t != "full_attention" for t in getattr(text, "layer_types", None) or ["sliding"])
+        if name in ALL_FULL_ATTENTION:
+            assert padded == text.num_hidden_layers
     finally:
         connector.close()
