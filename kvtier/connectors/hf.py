@@ -26,6 +26,14 @@ verified as it is copied (a block that fails ends the prefix), and then read aga
 their top-pool slots off the hit's path: that load is published (resident in the top pool,
 counted, LRU, events) by the connector's next hook or :meth:`HFConnector.finish_loads`.
 
+The prefill after a hit: transformers gives SDPA a materialized mask once cached tokens
+precede the queries, and the masked kernel computes the whole query x key rectangle (a
+small hit then cost more than no cache: 1.37x at 2k tokens). ``before_prefill`` arms
+:class:`~kvtier.connectors.hf_attention.PrefixAttention` when it served a hit, so the model's
+next forward (the prefill) runs causal SDPA with zero query rows in front instead, exactly
+what the full prefill computes for those rows; other forwards and other attention
+implementations are untouched (:mod:`kvtier.connectors.hf_attention`).
+
 ``after_request`` stores every full block of ``prompt + output`` whose K/V the cache holds
 (the last generated token has none: it was sampled, never fed back).
 
