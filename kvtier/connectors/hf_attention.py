@@ -39,6 +39,7 @@ elsewhere, or for a model on another implementation (eager, flash, flex), nothin
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -78,13 +79,42 @@ def _register() -> bool:
 def is_lower_right_causal(mask: Any, q_len: int, kv_len: int) -> bool:
     """Whether ``mask`` (``[1, 1, q_len, kv_len]`` bool, True = attend) lets query ``i`` see
     exactly keys ``0 .. kv_len - q_len + i``: a causal prefill after ``kv_len - q_len`` cached
-    tokens, no padding, no window."""
+    tokens, no padding, no window.
+
+    The answer for the last mask checked is kept (a weak reference, its data pointer and
+    version counter; forgotten when an armed forward starts and ends): transformers builds one mask per layer type and hands the same tensor
+    to every layer of that type, so a forward compares each mask once (a 4k-token prompt's is
+    16M elements, and on CUDA the comparison is a host sync)."""
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
         return False
     if tuple(mask.shape) != (1, 1, q_len, kv_len):
         return False
+    global _last_checked
+    ref, data_ptr, version, answer = _last_checked
+    if ref() is mask and data_ptr == mask.data_ptr() and version == _version(mask):
+        return answer
     expected = torch.ones(q_len, kv_len, dtype=torch.bool, device=mask.device).tril(kv_len - q_len)
-    return bool(torch.equal(mask[0, 0], expected))
+    answer = bool(torch.equal(mask[0, 0], expected))
+    _last_checked = (weakref.ref(mask), mask.data_ptr(), _version(mask), answer)
+    return answer
+
+
+def _version(t: torch.Tensor) -> int:
+    """The in-place version counter; -1 for an inference tensor, which has none (the memory
+    is then forgotten at the start and end of every armed forward: :meth:`PrefixAttention._pre`)."""
+    return -1 if t.is_inference() else t._version
+
+
+def forget_checked_mask() -> None:
+    global _last_checked
+    _last_checked = (_dead, 0, 0, False)
+
+
+def _dead() -> None:
+    return None
+
+
+_last_checked: tuple[Any, int, int, bool] = (_dead, 0, 0, False)
 
 
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias", "output_attentions")
@@ -157,6 +187,7 @@ class PrefixAttention:
         if not self._armed:
             return
         self._armed = False
+        forget_checked_mask()
         if self._config._attn_implementation_internal == "sdpa":
             self._config._attn_implementation_internal = ATTN_IMPLEMENTATION
             self._swapped = True
@@ -165,6 +196,7 @@ class PrefixAttention:
         self._restore()
 
     def _restore(self) -> None:
+        forget_checked_mask()
         if self._swapped:
             self._swapped = False
             if self._config._attn_implementation_internal == ATTN_IMPLEMENTATION:

@@ -118,8 +118,11 @@ def _prompt(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 256, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def test_armed_forward_runs_on_the_prefix_attention_then_sdpa_again(model, calls):
+def test_armed_forward_runs_on_the_prefix_attention_then_sdpa_again(model, calls, monkeypatch):
     assert model.config._attn_implementation == "sdpa"
+    compared = []
+    real_equal = torch.equal
+    monkeypatch.setattr(hf_attention.torch, "equal", lambda a, b: compared.append(1) or real_equal(a, b))
     prefix = PrefixAttention(model)
     assert prefix.enabled
     seen: list[str] = []
@@ -135,6 +138,7 @@ def test_armed_forward_runs_on_the_prefix_attention_then_sdpa_again(model, calls
         assert seen == ["sdpa", ATTN_IMPLEMENTATION, "sdpa"]
         assert model.config._attn_implementation == "sdpa"
         assert calls.count(None) == 3  # the padded call on each of the 3 layers of the armed forward
+        assert len(compared) == 1  # the layers share one mask: compared once
     finally:
         hook.remove()
         prefix.close()
@@ -231,3 +235,18 @@ def test_every_family_s_prefill_after_a_hit_equals_its_full_prefill(name, calls,
             assert padded == text.num_hidden_layers
     finally:
         connector.close()
+
+
+def test_the_last_mask_checked_is_remembered_until_it_changes(monkeypatch):
+    compared = []
+    real_equal = torch.equal
+    monkeypatch.setattr(hf_attention.torch, "equal", lambda a, b: compared.append(1) or real_equal(a, b))
+    mask = _lower_right(5, 9).clone()
+    assert hf_attention.is_lower_right_causal(mask, 5, 9)
+    assert hf_attention.is_lower_right_causal(mask, 5, 9)  # every layer of a forward: one comparison
+    assert len(compared) == 1
+    mask[0, 0, 0, 0] = False  # the same tensor edited in place: checked again
+    assert not hf_attention.is_lower_right_causal(mask, 5, 9)
+    other = _lower_right(5, 9)
+    assert hf_attention.is_lower_right_causal(other, 5, 9)
+    assert len(compared) == 3
