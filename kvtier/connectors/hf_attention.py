@@ -32,8 +32,11 @@ no cache). The swap is undone when that forward returns or raises, so ``generate
 steps, transformers' continuous batching (which accepts ``"sdpa"`` only) and other users of
 the model see ``"sdpa"``.
 
-Works where transformers has ``AttentionInterface`` and ``AttentionMaskInterface`` (4.53+);
-elsewhere, or for a model on another implementation (eager, flash, flex), nothing changes.
+Works where transformers has ``AttentionInterface`` and ``AttentionMaskInterface`` (all the
+versions kvtier supports, 4.56+); elsewhere, or for a model on another implementation (eager,
+flash, flex), nothing changes. One inference loop per model, as for the connector: the swap
+and the arming belong to the model, not to a thread (a forward on another thread while armed
+may take the arming; its results stay exact, the attention either way computing the same).
 """
 
 from __future__ import annotations
@@ -81,43 +84,43 @@ def is_lower_right_causal(mask: Any, q_len: int, kv_len: int) -> bool:
     exactly keys ``0 .. kv_len - q_len + i``: a causal prefill after ``kv_len - q_len`` cached
     tokens, no padding, no window.
 
-    The answer for the last mask checked is kept (a weak reference, its data pointer and
-    version counter; forgotten when an armed forward starts and ends): transformers builds one mask per layer type and hands the same tensor
-    to every layer of that type, so a forward compares each mask once (a 4k-token prompt's is
-    16M elements, and on CUDA the comparison is a host sync)."""
+    The answers for the last few masks checked are kept (weak reference, data pointer and
+    version counter; forgotten when an armed forward starts and ends): transformers builds
+    one mask per layer type and hands the same tensor to every layer of that type, so a
+    forward compares each mask once, whatever the order of its sliding and full layers
+    (a 4k-token prompt's mask is 16M elements, and on CUDA the comparison is a host sync)."""
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
         return False
     if tuple(mask.shape) != (1, 1, q_len, kv_len):
         return False
-    global _last_checked
-    ref, data_ptr, version, answer = _last_checked
-    if ref() is mask and data_ptr == mask.data_ptr() and version == _version(mask):
-        return answer
+    for ref, data_ptr, version, answer in _checked:
+        if ref() is mask and data_ptr == mask.data_ptr() and version == _version(mask):
+            return answer
     expected = torch.ones(q_len, kv_len, dtype=torch.bool, device=mask.device).tril(kv_len - q_len)
     answer = bool(torch.equal(mask[0, 0], expected))
-    _last_checked = (weakref.ref(mask), mask.data_ptr(), _version(mask), answer)
+    _checked.append((weakref.ref(mask), mask.data_ptr(), _version(mask), answer))
+    del _checked[:-_MEMO_SIZE]
     return answer
 
 
 def _version(t: torch.Tensor) -> int:
-    """The in-place version counter; -1 for an inference tensor, which has none (the memory
-    is then forgotten at the start and end of every armed forward: :meth:`PrefixAttention._pre`)."""
+    """The in-place version counter; -1 for an inference tensor, which has none (the answers
+    are then forgotten at the start and end of every armed forward: :class:`PrefixAttention`)."""
     return -1 if t.is_inference() else t._version
 
 
-def forget_checked_mask() -> None:
-    global _last_checked
-    _last_checked = (_dead, 0, 0, False)
+def forget_checked_masks() -> None:
+    _checked.clear()
 
 
-def _dead() -> None:
-    return None
+_MEMO_SIZE = 4
+"""Masks remembered: one per layer type of a forward (full, sliding, chunked) and a spare."""
+_checked: list[tuple[Any, int, int, bool]] = []
 
 
-_last_checked: tuple[Any, int, int, bool] = (_dead, 0, 0, False)
-
-
-_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias", "output_attentions")
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")
+"""Arguments that change the scores (a tensor, a float): given at all, the call is not a plain
+causal one (a tensor's truth value is never asked)."""
 
 
 def prefix_causal_sdpa(
@@ -134,7 +137,7 @@ def prefix_causal_sdpa(
     prefix = kv_len - q_len
     if (1 < q_len < kv_len and prefix < MAX_PREFIX_SHARE * kv_len and query.shape[0] == 1
             and is_causal is not False and getattr(module, "is_causal", True) and dropout == 0.0
-            and not any(kwargs.get(name) for name in _UNSUPPORTED_KWARGS)
+            and all(kwargs.get(name) is None for name in _UNSUPPORTED_KWARGS) and not kwargs.get("output_attentions")
             and is_lower_right_causal(attention_mask, q_len, kv_len)):
         padded = torch.cat([query.new_zeros(*query.shape[:2], prefix, query.shape[3]), query], dim=2)
         out, weights = _sdpa_forward(module, padded, key, value, None, dropout=dropout, scaling=scaling,
@@ -172,9 +175,11 @@ class PrefixAttention:
 
     def arm(self) -> None:
         """The model's next forward (the prefill after a hit) uses the prefix attention."""
+        self._restore()  # a swap left by a forward interrupted by a BaseException (see _post)
         self._armed = bool(self._handles)
 
     def disarm(self) -> None:
+        self._restore()
         self._armed = False
 
     def close(self) -> None:
@@ -185,18 +190,21 @@ class PrefixAttention:
 
     def _pre(self, module: Any, args: Any) -> None:
         if not self._armed:
+            self._restore()  # stale: the armed forward ended in a BaseException
             return
         self._armed = False
-        forget_checked_mask()
+        forget_checked_masks()
         if self._config._attn_implementation_internal == "sdpa":
             self._config._attn_implementation_internal = ATTN_IMPLEMENTATION
             self._swapped = True
 
     def _post(self, module: Any, args: Any, output: Any) -> None:
+        # always_call: torch runs this after an Exception too, but not after a BaseException
+        # (KeyboardInterrupt): then the next arm, disarm, forward or close restores "sdpa"
         self._restore()
 
     def _restore(self) -> None:
-        forget_checked_mask()
+        forget_checked_masks()
         if self._swapped:
             self._swapped = False
             if self._config._attn_implementation_internal == ATTN_IMPLEMENTATION:

@@ -250,3 +250,63 @@ def test_the_last_mask_checked_is_remembered_until_it_changes(monkeypatch):
     other = _lower_right(5, 9)
     assert hf_attention.is_lower_right_causal(other, 5, 9)
     assert len(compared) == 3
+
+
+def test_alternating_masks_are_each_compared_once(monkeypatch):
+    """gemma3- and qwen2-like stacks alternate sliding and full layers: two masks, two comparisons."""
+    compared = []
+    real_equal = torch.equal
+    monkeypatch.setattr(hf_attention.torch, "equal", lambda a, b: compared.append(1) or real_equal(a, b))
+    hf_attention.forget_checked_masks()
+    full, sliding = _lower_right(40, 48), _sliding(40, 48, window=8)
+    for _ in range(4):
+        assert hf_attention.is_lower_right_causal(full, 40, 48)
+        assert not hf_attention.is_lower_right_causal(sliding, 40, 48)
+    assert len(compared) == 2
+
+
+@pytest.mark.parametrize("name", ["position_bias", "s_aux", "sinks"])
+def test_a_tensor_argument_that_changes_the_scores_falls_back_without_asking_its_truth(calls, name):
+    """A position bias or sinks given as a tensor (transformers' Inkling passes position_bias to
+    sdpa): transformers' sdpa gets the call as it came, mask included."""
+    _, q, k, v = _qkv(40, 48)
+    module = _Module(groups=2)
+    mask = _lower_right(40, 48)
+    extra = torch.randn(1, 4, 40, 48) if name == "position_bias" else torch.zeros(4)
+    out, _ = prefix_causal_sdpa(module, q, k, v, mask, **{name: extra})
+    assert len(calls) == 1 and calls[0] is mask
+    expected, _ = sdpa(module, q, k, v, mask, **{name: extra})
+    assert torch.equal(out, expected)
+
+
+def test_a_forward_interrupted_by_a_base_exception_is_put_right_before_the_next_one(model):
+    """torch runs always_call hooks after an Exception only: after a KeyboardInterrupt the next
+    forward (or arm, disarm, close) restores sdpa before anything runs on it."""
+    prefix = PrefixAttention(model)
+    seen: list[str] = []
+    interrupt = [True]
+
+    def layer_hook(module, args):
+        seen.append(module.config._attn_implementation)
+        if interrupt[0]:
+            raise KeyboardInterrupt
+
+    hook = model.model.layers[0].self_attn.register_forward_pre_hook(layer_hook)
+    try:
+        prefix.arm()
+        with pytest.raises(KeyboardInterrupt), torch.inference_mode():
+            model(_prompt(20))
+        interrupt[0] = False
+        with torch.inference_mode():
+            model(_prompt(20))
+        assert seen == [ATTN_IMPLEMENTATION, "sdpa"]
+        assert model.config._attn_implementation == "sdpa"
+        prefix.arm()
+        with pytest.raises(KeyboardInterrupt), torch.inference_mode():
+            interrupt[0] = True
+            model(_prompt(20))
+        prefix.disarm()
+        assert model.config._attn_implementation == "sdpa"
+    finally:
+        hook.remove()
+        prefix.close()
