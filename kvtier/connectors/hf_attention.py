@@ -27,8 +27,9 @@ cost ``(kv - q) * kv / 2`` extra scores, less than the rectangle's extra half up
 :data:`MAX_PREFIX_SHARE`. Any other call (another mask, sliding windows, a position bias,
 soft-capping, sinks, batches, decode steps) goes to ``sdpa_attention_forward`` unchanged. The
 same prompt's logits after a 16/128/400-token hit equal the full prefill's bit for bit
-(SmolLM2, 1,054 tokens); attention time after a 16-token hit 574 ms (from 971 ms; 560 ms with
-no cache). The swap is undone when that forward returns or raises, so ``generate``'s decode
+(SmolLM2, 1,054 tokens, on the CPU; on CUDA the masked and the causal kernels differ, so
+the masked path may differ from both by rounding); attention time after a 16-token hit
+574 ms (from 971 ms; 560 ms with no cache). The swap is undone when that forward returns or raises, so ``generate``'s decode
 steps, transformers' continuous batching (which accepts ``"sdpa"`` only) and other users of
 the model see ``"sdpa"``.
 
