@@ -111,6 +111,7 @@ def _version(t: torch.Tensor) -> int:
 
 
 def forget_checked_masks() -> None:
+    """Drop the remembered answers of :func:`is_lower_right_causal`."""
     _checked.clear()
 
 
