@@ -76,6 +76,7 @@ import numpy as np
 import torch
 
 from kvtier.config import StoreConfig
+from kvtier.connectors.hf_attention import PrefixAttention
 from kvtier.connectors.hf_cache import (
     HostHitBuffer,
     LayerGather,
@@ -91,7 +92,6 @@ from kvtier.connectors.hf_cache import (
     new_layer_tensors,
     scatter_from_layers,
 )
-from kvtier.connectors.hf_attention import PrefixAttention
 from kvtier.connectors.hf_media import PromptMedia, prompt_media
 from kvtier.connectors.ttft import ForwardTimer, PrefillRate
 from kvtier.hashing import KeyContext, LazyContentKeys, block_hashes_for, block_keys_for

@@ -181,6 +181,7 @@ class PrefixAttention:
         self._armed = bool(self._handles)
 
     def disarm(self) -> None:
+        """The next forward runs on the model's own implementation (a prefill after a miss)."""
         self._restore()
         self._armed = False
 

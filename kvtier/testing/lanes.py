@@ -11,8 +11,8 @@ it), an explicit ``-n``/``-p no:xdist`` wins, and an xdist worker never adds wor
 It also keeps bytecode between runs where the environment turned it off
 (``PYTHONDONTWRITEBYTECODE``, set on this project's machines): pytest then rewrites the
 asserts of every test module and Python compiles every kvtier module again in each process,
-about 10 s of CPU per process on 2 cores (``pytest --collect-only``: 23 s of user time cold,
-14 s with the cache), twice in the fast lane. Python's default is restored for the test run
+7-9 s of CPU per process on this project's 2-core VM (``pytest --collect-only -m "not slow"``:
+22.9 s of user time cold, 14.0-15.7 s with the cache), twice in the fast lane. Python's default is restored for the test run
 only; the files go to ``__pycache__/`` folders, which git ignores.
 
 The hook is pytest's documented way to add options before the command line is parsed

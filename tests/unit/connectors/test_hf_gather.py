@@ -227,4 +227,3 @@ def test_cache_layers_are_shallow_copies_of_the_template_holding_the_given_tenso
             return new
 
     assert _layer_copier(Custom())().copies == 1
-
