@@ -69,6 +69,9 @@ def test_tiers_bench_writes_rows_with_same_run_baselines(tmp_path):
     for prefix in ("GPU put", "GPU get", "CPU put", "CPU get", "DISK put", "DISK put into a fresh tier", "DISK get",
                    "DISK open"):
         assert any(m.startswith(prefix) for m in metrics), f"no {prefix} row in {metrics}"
+    floor = [m for m in metrics if "floor" in m]
+    assert floor == ["  floor of that store: xxh3 + copy to a mapped file + copy in (numpy)",
+                     "  DISK spill: store() into full CPU slab, vs its floor"], floor
     opened = {row["unit"]: row for row in data["rows"] if row["metric"].startswith("DISK open")}
     assert set(opened) == {"ms", "MB"} and 0 < opened["MB"]["baseline"] and opened["ms"]["value"] > 0
     assert opened["MB"]["ratio"] < 0.5  # the index, not the records, is read on open
@@ -79,6 +82,35 @@ def test_tiers_bench_writes_rows_with_same_run_baselines(tmp_path):
         assert row["value"] > 0 and row["unit"] == "GB/s"
         assert row["baseline"] is not None and row["baseline"] > 0  # every tier row has one here
         assert math.isclose(row["ratio"], row["value"] / row["baseline"], rel_tol=1e-9)
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]  # the bench removed its temp dir
+
+
+@pytest.mark.slow  # runs bench/transfers.py's throughput rows end to end
+def test_transfers_bench_writes_the_spill_rows_beside_their_floors(tmp_path):
+    """The spill and the store into a full slab, each beside the same run's raw write and the
+    floor of the same work without kvtier (bench.tiers.StoreFloor, checked by the bench)."""
+    out = tmp_path / "transfers.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "transfers.py"), "--total-bytes", "16MiB", "--repeats", "1",
+         "--skip-overlap", "--json", str(out), "--dir", str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {row["metric"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows)[1:] == [
+        "CPU -> DISK spill: evict a full CPU slab", "  floor of that spill: xxh3 + copy to a mapped file (numpy)",
+        "  CPU -> DISK spill vs its floor", "store() into a full CPU slab (copy in + spill)",
+        "  floor of that store: xxh3 + copy to a mapped file + copy in (numpy)", "  store() into a full CPU slab vs its floor",
+    ], list(rows)
+    for row in rows.values():
+        assert set(row) == ROW_KEYS and row["unit"] == "GB/s" and row["value"] > 0 and row["baseline"] > 0
+        assert math.isclose(row["ratio"], row["value"] / row["baseline"], rel_tol=1e-9)
+    raw = rows["CPU -> DISK spill: evict a full CPU slab"]["baseline"]
+    for kind in ("spill", "store"):  # the floor's row is against the raw write, kvtier's against the floor
+        floor = next(r for m, r in rows.items() if m.startswith(f"  floor of that {kind}"))
+        against = next(r for m, r in rows.items() if m.endswith("vs its floor") and (kind in m.lower()))
+        assert floor["baseline"] == raw and against["baseline"] == floor["value"]
     assert [p.name for p in tmp_path.iterdir()] == [out.name]  # the bench removed its temp dir
 
 
@@ -116,6 +148,7 @@ def test_hit_path_bench_checks_the_hit_and_writes_rows_with_same_run_baselines(t
     assert any(m.startswith("before_prefill: CPU hit, 64 tokens") for m in metrics), metrics
     assert any(m.startswith("before_prefill: DISK hit, 64 tokens") for m in metrics), metrics
     assert any("DiskTier.read_into" in m for m in metrics), metrics
+    assert any(m.startswith("  floor of a verified read") and m.endswith("64 tokens") for m in metrics), metrics
     assert any(m.startswith("before_prefill: CPU hit, 64 tokens") and m.endswith("no kept buffer") for m in metrics)
     for row in rows:
         assert set(row) == ROW_KEYS and row["unit"] == "ms" and row["value"] > 0 and row["baseline"] > 0
