@@ -1,5 +1,5 @@
 import sys, os, time, tempfile, subprocess
-sys.path.insert(0, "/work/main")
+from pathlib import Path as _P; sys.path.insert(0, str(_P(__file__).resolve().parents[4]))
 from pathlib import Path
 import torch
 torch.set_num_threads(1)

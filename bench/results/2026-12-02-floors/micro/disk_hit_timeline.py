@@ -1,21 +1,10 @@
-import sys, os, time, tempfile, shutil, threading
-sys.path.insert(0, "/work/main")
-import torch
-torch.set_num_threads(1)
-from pathlib import Path
-from bench.hit_path import Prompt, _config
-from kvtier.app.models import load_model
-from kvtier.connectors.hf import HIT_BUFFER_BYTES, HFConnector
+"""The DISK hit's timeline at 1k tokens (``LEN``): when each I/O thread's reads run, relative
+to ``before_prefill``'s start; the best 3 of 10 by ratio to one copy."""
+import os, threading, time
+from _common import disk_hit_setup
 import kvtier.tiers.disk as D
-model, _, _ = load_model("smollm2")
-L = int(os.environ.get("LEN", "1024"))
-p = Prompt(model, L, 16, 0)
-root = Path(tempfile.mkdtemp(dir="/tmp"))
-per_token = p.nbytes // p.length
-cfg = _config(root, disk=True, top_bytes=(L + 64) * per_token + (16 << 20))
-mk = lambda: HFConnector.from_model(model, cfg, model_id="bench-smollm2", model_revision="bench", hit_buffer_bytes=HIT_BUFFER_BYTES)
-kv = mk(); kv.after_request(p.ids[0], p.cache); kv.close(); kv = mk()
-src = torch.empty(p.nbytes // 4).normal_(); dst = torch.empty_like(src)
+s = disk_hit_setup(int(os.environ.get("LEN", "1024")))
+kv, p, src, dst = s.kv, s.prompt, s.src, s.dst
 EV = []
 orig = D.DiskTier.read_into_views
 def riv(self, hashes, *a, **k):
@@ -36,4 +25,4 @@ res.sort(key=lambda r: r[0])
 for ratio, tot, c, ev in res[:3]:
     print(f"ratio {ratio:.2f} total {tot*1e3:.2f} copy {c*1e3:.2f}")
     for e in sorted(ev, key=lambda e: e[2]): print("   %s %s %.2f-%.2f ms (%d blocks)" % e)
-kv.close(); shutil.rmtree(root)
+s.close()

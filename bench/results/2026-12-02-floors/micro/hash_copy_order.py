@@ -1,13 +1,9 @@
+from _common import best
 import torch, time, xxhash, numpy as np
 torch.set_num_threads(1)
 B=2<<20; n=128
 src=torch.empty(n*B//4).normal_().view(n,-1); dst=torch.empty_like(src); dst.zero_()
 def h(t): return xxhash.xxh3_64_intdigest(memoryview(t.numpy()).cast('B'))
-def best(f,r=9):
-    t=1e9
-    for _ in range(r):
-        s=time.perf_counter(); f(); t=min(t,time.perf_counter()-s)
-    return t
 def hash_then_copy():
     for i in range(n): h(src[i]); dst[i].copy_(src[i])
 def copy_then_hash_src():

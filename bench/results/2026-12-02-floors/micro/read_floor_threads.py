@@ -1,3 +1,4 @@
+from _common import best
 import sys, time, torch, numpy as np, xxhash, mmap, os
 from concurrent.futures import ThreadPoolExecutor
 torch.set_num_threads(1)
@@ -20,10 +21,5 @@ def hashonly2():
         for i in range(lo, hi): xxhash.xxh3_64_intdigest(rec[i])
     a = pool.submit(h, 0, n // 2); b = pool.submit(h, n // 2, n); a.result(); b.result()
 def cp(): dst.copy_(src)
-def best(f, r=9):
-    t = 1e9
-    for _ in range(r):
-        s = time.perf_counter(); f(); t = min(t, time.perf_counter() - s)
-    return t
 for _ in range(2):
     c = best(cp); print(f"copy {c*1e3:.2f} ms; floor 1 thread {best(one)/c:.2f}x; 2 threads {best(two)/c:.2f}x; hash only 2 threads {best(hashonly2)/c:.2f}x")

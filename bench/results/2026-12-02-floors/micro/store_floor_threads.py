@@ -1,6 +1,6 @@
+from _common import best
 import sys, time, mmap, torch, numpy as np, xxhash
 from concurrent.futures import ThreadPoolExecutor
-sys.path.insert(0, "/work/main")
 torch.set_num_threads(1)
 from kvtier.tiers.host_memory import host_empty
 from bench.common import raw_write, prime_raw_file
@@ -24,11 +24,6 @@ def pipelined():  # main thread copies in, the I/O thread spills (hash + copy ou
     futs = [pool.submit(part, i, i + 1, False) for i in range(n)]
     for i, fu in enumerate(futs):
         fu.result(); np.copyto(slab[i], src[i])
-def best(fn, r=7):
-    t = 1e9
-    for _ in range(r):
-        s = time.perf_counter(); fn(); t = min(t, time.perf_counter() - s)
-    return t
 for _ in range(3):
-    w = best(lambda: raw_write(raw, src_t, 32))
+    w = best(lambda: raw_write(raw, src_t, 32), 7)
     print(f"raw {n*blk/w/1e9:.2f} GB/s; store floor 1t {w/best(lambda: part(0, n)):.2f}x, 2t {w/best(lambda: two(True)):.2f}x, pipelined {w/best(pipelined):.2f}x; spill floor 1t {w/best(lambda: part(0, n, False)):.2f}x 2t {w/best(lambda: two(False)):.2f}x")

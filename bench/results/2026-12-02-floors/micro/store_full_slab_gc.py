@@ -1,5 +1,5 @@
 import os, sys, time, resource, shutil
-sys.path.insert(0, "/work/main")
+from pathlib import Path as _P; sys.path.insert(0, str(_P(__file__).resolve().parents[4]))
 import torch
 torch.set_num_threads(1)
 from pathlib import Path
