@@ -23,8 +23,9 @@ timed, interleaved with its baseline:
   write into memory kept from the last hit: ``HostHitBuffer``).
 
 DISK also gets a floor row per length (:class:`ReadFloor`: the xxh3 and the one copy a verified
-read cannot avoid, in numpy from a mapped cached file, one thread, no kvtier), timed against the
-same copy: the least a DISK hit's ratio can be here without more threads.
+read cannot avoid, in numpy from a mapped cached file, one thread, no kvtier), timed in the same
+rounds against the same copy: what one thread doing only that work reaches here (kvtier reads
+on its I/O threads, so no kvtier-vs-floor row).
 
 ``HFConnector.from_model`` keys blocks in the head-major layout (``LKVHTD``), the order of
 transformers' caches, so the gather copies whole blocks per head.
@@ -141,8 +142,17 @@ def tier_rows(model, prompts: list[Prompt], tier: str, root: Path, repeats: int,
 
         src = torch.empty(prompt.nbytes // 4, dtype=torch.float32).normal_()
         dst = torch.empty_like(src)
-        # the copy runs after the last hit's background work (DISK: its copies into the top pool)
-        load, copy = measure([Case(hit, before=before), Case(lambda: dst.copy_(src), before=kv.finish_loads)], repeats)
+        # the copy runs after the last hit's background work (DISK: its copies into the top pool);
+        # DISK: the floor of a verified read in the same rounds
+        floor = ReadFloor(root / f"floor-{prompt.length}.bin", prompt.nbytes, per_token * kv.block_size) if disk else None
+        cases = [Case(hit, before=before), Case(lambda: dst.copy_(src), before=kv.finish_loads)]
+        try:
+            load, copy, *least = measure(cases + ([Case(floor.run, before=kv.finish_loads)] if floor else []), repeats)
+            if floor is not None:
+                floor.check()
+        finally:
+            if floor is not None:
+                floor.close()
         if profile is not None and not fresh:
             _profile(hit, before, profile / f"hit_path_{tier.lower()}_{prompt.length}.txt")
         plan = plans[-1]
@@ -154,14 +164,8 @@ def tier_rows(model, prompts: list[Prompt], tier: str, root: Path, repeats: int,
         if disk:
             rows.append(Row(f"  of which DiskTier.read_into: {name}", _disk_read_ms(kv, prompt), "ms", copy.best_s * 1e3,
                             "one torch copy_ of the K/V bytes"))
-            floor = ReadFloor(root / f"floor-{prompt.length}.bin", prompt.nbytes, per_token * kv.block_size)
-            try:
-                least, copied = measure([Case(floor.run, before=kv.finish_loads), Case(lambda: dst.copy_(src))], repeats)
-                floor.check()
-            finally:
-                floor.close()
-            rows.append(Row(f"  floor of a verified read: {ReadFloor.WHAT}, {prompt.length} tokens", least.best_s * 1e3,
-                            "ms", copied.best_s * 1e3, "one torch copy_ of the K/V bytes"))
+            rows.append(Row(f"  floor of a verified read: {ReadFloor.WHAT}, {prompt.length} tokens", least[0].best_s * 1e3,
+                            "ms", copy.best_s * 1e3, "one torch copy_ of the K/V bytes"))
     kv.close()
     return rows
 
@@ -171,8 +175,8 @@ class ReadFloor:
     ``MAP_SHARED`` mapping of a cached file (LMDB's map), their xxh3 (the record's checksum:
     every DISK read is verified, docs/DESIGN) and one contiguous copy into a preallocated
     host tensor; one thread, numpy and xxhash calls only (no keys, lookup, layout or cache).
-    Its time over one copy's is the least a DISK hit's ratio can be against that baseline
-    on this machine without more threads (issue 17's goal is 1.5x)."""
+    Its time over one copy's is what one thread doing only that work reaches against the
+    baseline on this machine (issue 17's goal for the whole hit is 1.5x); not a proven bound."""
 
     WHAT = "xxh3 + copy per block, mapped file, 1 thread"
 
@@ -181,8 +185,8 @@ class ReadFloor:
 
         import numpy as np
 
-        self.block_nbytes, self.n = block_nbytes, nbytes // block_nbytes
-        nbytes = self.n * block_nbytes
+        assert nbytes % block_nbytes == 0, (nbytes, block_nbytes)  # whole blocks, as the prefix's
+        self.block_nbytes, self.n, self._path = block_nbytes, nbytes // block_nbytes, path
         with open(path, "wb") as f:  # cached pages, as a warm DISK tier's
             f.write(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8).tobytes())
         self._file = open(path, "rb")
@@ -210,9 +214,11 @@ class ReadFloor:
             "floor: a checksum differs"
 
     def close(self) -> None:
+        """Unmap and delete the file."""
         del self.records
         self._map.close()
         self._file.close()
+        self._path.unlink(missing_ok=True)
 
 
 def _profile(run, before, path: Path, calls: int = 5) -> None:

@@ -72,6 +72,10 @@ def test_tiers_bench_writes_rows_with_same_run_baselines(tmp_path):
     floor = [m for m in metrics if "floor" in m]
     assert floor == ["  floor of that store: xxh3 + copy to a mapped file + copy in (numpy)",
                      "  DISK spill: store() into full CPU slab, vs its floor"], floor
+    by = {row["metric"]: row for row in data["rows"]}
+    spill = by["DISK spill: store() into full CPU slab"]
+    assert by[floor[0]]["baseline"] == spill["baseline"]  # the floor against the same raw write
+    assert by[floor[1]]["value"] == spill["value"] and by[floor[1]]["baseline"] == by[floor[0]]["value"]
     opened = {row["unit"]: row for row in data["rows"] if row["metric"].startswith("DISK open")}
     assert set(opened) == {"ms", "MB"} and 0 < opened["MB"]["baseline"] and opened["ms"]["value"] > 0
     assert opened["MB"]["ratio"] < 0.5  # the index, not the records, is read on open
@@ -148,7 +152,10 @@ def test_hit_path_bench_checks_the_hit_and_writes_rows_with_same_run_baselines(t
     assert any(m.startswith("before_prefill: CPU hit, 64 tokens") for m in metrics), metrics
     assert any(m.startswith("before_prefill: DISK hit, 64 tokens") for m in metrics), metrics
     assert any("DiskTier.read_into" in m for m in metrics), metrics
-    assert any(m.startswith("  floor of a verified read") and m.endswith("64 tokens") for m in metrics), metrics
+    floor = [row for row in rows if row["metric"].startswith("  floor of a verified read")]
+    disk = [row for row in rows if row["metric"].startswith("before_prefill: DISK hit, 64 tokens")]
+    assert len(floor) == 1 and floor[0]["metric"].endswith("64 tokens") and len(disk) == 1, metrics
+    assert floor[0]["baseline"] == disk[0]["baseline"]  # timed in the same rounds, against the same copy
     assert any(m.startswith("before_prefill: CPU hit, 64 tokens") and m.endswith("no kept buffer") for m in metrics)
     for row in rows:
         assert set(row) == ROW_KEYS and row["unit"] == "ms" and row["value"] > 0 and row["baseline"] > 0
