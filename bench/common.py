@@ -250,6 +250,41 @@ def prime_raw_file(path: Path, blocks: "torch.Tensor", chunk: int) -> Path:
     return path
 
 
+class MappedFile:
+    """A file of ``nbytes`` mapped ``MAP_SHARED`` as LMDB maps its data file (advised
+    ``MADV_HUGEPAGE`` where the platform has it: :func:`kvtier.tiers.disk.advise_huge_pages`),
+    for the benches' floors (:class:`bench.tiers.StoreFloor`, :class:`bench.hit_path.ReadFloor`).
+    ``content`` (``nbytes`` bytes) is written first; without it the file is sparse, as LMDB's
+    grows. ``array``: a ``uint8`` numpy view of the whole mapping, ``[nbytes]``; writable
+    unless ``read_only``. :meth:`close` unmaps and deletes the file."""
+
+    def __init__(self, path: Path, nbytes: int, content: bytes | None = None, read_only: bool = False) -> None:
+        import mmap
+
+        import numpy as np
+
+        self.path = path
+        with open(path, "wb") as f:
+            if content is None:
+                f.truncate(nbytes)
+            else:
+                assert len(content) == nbytes, (len(content), nbytes)
+                f.write(content)
+        self._file = open(path, "rb" if read_only else "r+b")
+        self._map = mmap.mmap(self._file.fileno(), nbytes, prot=mmap.PROT_READ if read_only else
+                              mmap.PROT_READ | mmap.PROT_WRITE)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            self._map.madvise(mmap.MADV_HUGEPAGE)
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+
+    def close(self) -> None:
+        """Unmap and delete the file; views of :attr:`array` must be gone first."""
+        del self.array
+        self._map.close()
+        self._file.close()
+        self.path.unlink(missing_ok=True)
+
+
 def raw_read(path: Path, out: "torch.Tensor", chunk: int) -> None:
     """Sequential ``readinto`` of ``path`` into the preallocated ``out``."""
     with open(path, "rb", buffering=0) as f:

@@ -171,8 +171,8 @@ def tier_rows(model, prompts: list[Prompt], tier: str, root: Path, repeats: int,
 
 
 class ReadFloor:
-    """The least a verified DISK hit does, without kvtier: for each block's bytes in a
-    ``MAP_SHARED`` mapping of a cached file (LMDB's map), their xxh3 (the record's checksum:
+    """The work a verified DISK hit does, without kvtier: for each block's bytes in a
+    ``MAP_SHARED`` mapping of a cached file (mapped as LMDB's: :class:`bench.common.MappedFile`), their xxh3 (the record's checksum:
     every DISK read is verified, docs/DESIGN) and one contiguous copy into a preallocated
     host tensor; one thread, numpy and xxhash calls only (no keys, lookup, layout or cache).
     Its time over one copy's is what one thread doing only that work reaches against the
@@ -181,17 +181,17 @@ class ReadFloor:
     WHAT = "xxh3 + copy per block, mapped file, 1 thread"
 
     def __init__(self, path: Path, nbytes: int, block_nbytes: int) -> None:
-        import mmap
-
+        """``nbytes`` of random records (cached pages, as a warm DISK tier's) in blocks of
+        ``block_nbytes``; raises ``AssertionError`` unless whole blocks."""
         import numpy as np
 
+        from bench.common import MappedFile
+
         assert nbytes % block_nbytes == 0, (nbytes, block_nbytes)  # whole blocks, as the prefix's
-        self.block_nbytes, self.n, self._path = block_nbytes, nbytes // block_nbytes, path
-        with open(path, "wb") as f:  # cached pages, as a warm DISK tier's
-            f.write(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8).tobytes())
-        self._file = open(path, "rb")
-        self._map = mmap.mmap(self._file.fileno(), nbytes, prot=mmap.PROT_READ)
-        self.records = np.frombuffer(self._map, dtype=np.uint8).reshape(self.n, block_nbytes)
+        self.block_nbytes, self.n = block_nbytes, nbytes // block_nbytes
+        content = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+        self._file = MappedFile(path, nbytes, content, read_only=True)  # mapped as LMDB's data file
+        self.records = self._file.array.reshape(self.n, block_nbytes)
         self.out = torch.empty(nbytes, dtype=torch.uint8).numpy().reshape(self.n, block_nbytes)
         self.out[:] = 0  # first-touched, untimed
         self.checksums = [0] * self.n
@@ -216,9 +216,7 @@ class ReadFloor:
     def close(self) -> None:
         """Unmap and delete the file."""
         del self.records
-        self._map.close()
         self._file.close()
-        self._path.unlink(missing_ok=True)
 
 
 def _profile(run, before, path: Path, calls: int = 5) -> None:

@@ -118,6 +118,29 @@ def test_transfers_bench_writes_the_spill_rows_beside_their_floors(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [out.name]  # the bench removed its temp dir
 
 
+def test_floor_rows_compare_the_floor_to_the_raw_write_and_kvtier_to_the_floor_and_warn_when_kvtier_beats_it():
+    from bench.tiers import floor_rows
+
+    rows, warning = floor_rows("  floor", "  kvtier vs its floor", 2.0, 2.5, 5.0)
+    assert [(r.metric, r.value, r.baseline) for r in rows] == [("  floor", 2.5, 5.0), ("  kvtier vs its floor", 2.0, 2.5)]
+    assert [r.ratio for r in rows] == [0.5, 0.8] and warning == ""
+    _, warning = floor_rows("  floor", "  kvtier vs its floor", 3.0, 2.5, 5.0)
+    assert warning.startswith("warning: kvtier vs its floor: kvtier ran faster than its floor (3.00 vs 2.50 GB/s)")
+
+
+def test_mapped_file_is_sparse_or_holds_its_content_and_is_deleted_on_close(tmp_path):
+    from bench.common import MappedFile
+
+    sparse = MappedFile(tmp_path / "a.bin", 1 << 20)
+    assert sparse.array.shape == (1 << 20,) and not sparse.array.any()
+    sparse.array[:3] = [1, 2, 3]
+    sparse.close()
+    held = MappedFile(tmp_path / "b.bin", 4, b"kvtr", read_only=True)
+    assert bytes(held.array) == b"kvtr" and not held.array.flags.writeable
+    held.close()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_kv_bytes_rows_follow_from_the_layout(tmp_path):
     """Gemma-3-27B: 62 layers (every 6th full), 16 K/V heads of 128, window 1024, bfloat16."""
     from bench.kv_bytes import rows_for
