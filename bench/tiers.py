@@ -370,14 +370,21 @@ class StoreFloor:
     written back fault again on each 4 KiB write and the floor ran slower than kvtier). GB/s
     are bytes of the blocks stored per second. Its ratio to a raw write is what this
     implementation of the work reaches on the machine, not a proven bound (issue 17's goal is
-    0.7x): a raw write copies each byte once, a store into a full slab twice and hashes it."""
+    0.7x): a raw write copies each byte once, a store into a full slab twice and hashes it.
+
+    ``threads``: the blocks split in that many contiguous parts, one per thread (numpy's
+    copies and xxhash release the GIL). kvtier's DISK writes of blocks >= 1 MiB use two
+    threads (the caller's and the tier's writer: ``kvtier.tiers.disk._WriteOverlap``), so
+    the benches compare them with the two-thread floor."""
 
     WHAT = "xxh3 + copy to a mapped file + copy in (numpy)"
     WHAT_SPILL = "xxh3 + copy to a mapped file (numpy)"
 
-    def __init__(self, path: Path, src: torch.Tensor, copy_in: bool = True) -> None:
+    def __init__(self, path: Path, src: torch.Tensor, copy_in: bool = True, threads: int = 2) -> None:
         """``src``: ``[n, ...]`` host blocks, the new ones; ``copy_in=False``: the spill alone
         (evicting a full slab: :data:`WHAT_SPILL`), the slab keeps its blocks."""
+        from concurrent.futures import ThreadPoolExecutor
+
         from kvtier.tiers.host_memory import host_empty
 
         self.n, self.block_nbytes, self.copy_in = src.shape[0], src[0].numel() * src.element_size(), copy_in
@@ -390,12 +397,27 @@ class StoreFloor:
         self.out[:] = 0xA5  # every page in the page cache, mapped and dirty once, untimed;
         # and not the victims' bytes, so that check() sees a spill that never copied
         self.checksums = [0] * self.n
+        self.threads = max(1, threads)
+        cuts = [self.n * k // self.threads for k in range(self.threads + 1)]
+        self._parts = list(zip(cuts, cuts[1:]))
+        self._pool = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
+
+    @property
+    def what(self) -> str:
+        """The floor's row label: :data:`WHAT` or :data:`WHAT_SPILL`, with its threads."""
+        return f"{self.WHAT if self.copy_in else self.WHAT_SPILL}, {self.threads} thread{'s' * (self.threads > 1)}"
 
     def run(self) -> None:
+        futures = [self._pool.submit(self._run, lo, hi) for lo, hi in self._parts[1:]] if self._pool else []
+        self._run(*self._parts[0])
+        for future in futures:
+            future.result()
+
+    def _run(self, lo: int, hi: int) -> None:
         import numpy as np
         import xxhash
 
-        for i in range(self.n):
+        for i in range(lo, hi):
             victim = self.slab[i]
             self.checksums[i] = xxhash.xxh3_64_intdigest(victim)  # the record header's checksum
             np.copyto(self.out[i], victim)  # the spill: LMDB's one copy into its map
@@ -413,7 +435,9 @@ class StoreFloor:
             "floor: a spilled copy differs from the bytes hashed"
 
     def close(self) -> None:
-        """Unmap and delete the file."""
+        """Unmap and delete the file; stop the threads."""
+        if self._pool is not None:
+            self._pool.shutdown()
         del self.out
         self._file.close()
 
@@ -458,7 +482,7 @@ def bench_store_disk(b: Bench) -> list[Row]:
             floor.close()
         spilled, lowest = kvtier.throughput(b.nbytes, b.stat), least.throughput(b.nbytes, b.stat)
         raw_gbs = raw.throughput(b.nbytes, b.stat)
-        beside, warning = floor_rows(f"  floor of that store: {StoreFloor.WHAT}",
+        beside, warning = floor_rows(f"  floor of that store: {floor.what}",
                                      "  DISK spill: store() into full CPU slab, vs its floor", spilled, lowest, raw_gbs)
         rows = [Row("DISK spill: store() into full CPU slab", spilled, "GB/s", raw_gbs, RAW_WRITE_BASELINE), *beside]
         if warning:

@@ -119,9 +119,9 @@ def disk_rows(root: Path, total_bytes: int, repeats: int, threads: int, warnings
     nbytes = n * SPEC.block_nbytes
     gbs = {name: t.throughput(nbytes, "best") for name, t in
            [("spill", spilled), ("store", stored), ("raw", write), ("spill floor", spill_floor), ("store floor", store_floor)]}
-    spill_rows, spill_warning = floor_rows(f"  floor of that spill: {StoreFloor.WHAT_SPILL}", "  CPU -> DISK spill vs its floor",
+    spill_rows, spill_warning = floor_rows(f"  floor of that spill: {floors[0].what}", "  CPU -> DISK spill vs its floor",
                                            gbs["spill"], gbs["spill floor"], gbs["raw"])
-    store_rows, store_warning = floor_rows(f"  floor of that store: {StoreFloor.WHAT}",
+    store_rows, store_warning = floor_rows(f"  floor of that store: {floors[1].what}",
                                            "  store() into a full CPU slab vs its floor", gbs["store"], gbs["store floor"],
                                            gbs["raw"])
     warnings.extend(w for w in (spill_warning, store_warning) if w)

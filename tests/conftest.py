@@ -81,6 +81,17 @@ def make_store(tmp_path, namespace):
         store.close()
 
 
+@pytest.fixture(params=["serial", "overlap"])
+def write_overlap(request, monkeypatch):
+    """Run a test with DISK writes on one thread and again overlapped with the tier's writer
+    thread (kvtier.tiers.disk._WriteOverlap, which real blocks of >= 1 MiB take and the tiny
+    test blocks do not): modules opt in with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    from kvtier.tiers import disk
+
+    monkeypatch.setattr(disk, "OVERLAP_MIN_NBYTES", 1 << 62 if request.param == "serial" else 0)
+    return request.param
+
+
 def open_store(data_dir, gpu=4, cpu=0, disk=0, spec: KVSpec | None = None, **kwargs) -> TieredStore:
     """A TieredStore under namespace ``NS`` with capacities counted in blocks (the GPU pool
     emulated in host memory); the caller closes it (or registers it with ``opened``)."""

@@ -26,7 +26,11 @@ straight into its map and the header is written over the frame in the transactio
 (:func:`put_record`; py-lmdb has no ``MDB_RESERVE``, and a record built in a buffer first cost a
 second memory-bound copy: store() into a full CPU slab in bench/transfers.py went from
 0.60-0.71x to 0.70-0.81x of a raw write in three before/after sittings,
-bench/results/2026-12-02-perf-disk/README.md; issue 17).
+bench/results/2026-12-02-perf-disk/README.md; issue 17). Batches of blocks of >= 1 MiB hash each next
+victim, and run the caller's copy-in after each put, on the tier's writer thread while LMDB
+copies on the caller's (:class:`_WriteOverlap`: store() into a full slab of 2 MiB blocks
+0.49-0.53x -> 0.62-0.80x of a raw write, its spill 0.68-0.77x -> 0.86-1.05x, same process,
+bench/results/2026-12-02-overlap/).
 
 Reads copy the payload straight out of LMDB's map into the destination (one copy, hashed
 chunk by chunk while hot: :func:`kvtier.records.decode_into`); a cold record comes in by
@@ -49,6 +53,7 @@ import logging
 import os
 import struct
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -120,6 +125,7 @@ class DiskTier:
         self._used = 0  # footprints of every record, other versions' included
         self._seq = 0
         self._lock = threading.RLock()
+        self._writer: ThreadPoolExecutor | None = None  # started by the first overlapped write
         self.read_only = False
         self._rebuild_index()
 
@@ -135,6 +141,7 @@ class DiskTier:
             self._index.close()  # the child's handle only; it never writes
             self._index = None
         self._lock = threading.RLock()
+        self._writer = None  # the parent's thread is not in the child (and the child never writes)
         self.read_only = True
         self._lock_file = None  # the parent's flock stays the parent's
 
@@ -251,6 +258,7 @@ class DiskTier:
             return [False] * len(puts)
         foreign = iter(list(self._foreign.items()))
         dropped: list[BlockHash] = []  # records of another version dropped to make room
+        overlap = self._overlap(puts, deletes)
         try:
             with self.env.begin(write=True, buffers=True) as txn:  # buffers: see put_record
                 for h in deletes:
@@ -275,16 +283,26 @@ class DiskTier:
                         results.append(False)
                         continue
                     self._seq += 1
-                    put_record(txn, h, namespace, block, self._seq, fingerprint)
-                    if after_put is not None:
-                        after_put(i)
+                    if overlap is None:
+                        put_record(txn, h, namespace, block, self._seq, fingerprint)
+                        if after_put is not None:
+                            after_put(i)
+                    else:
+                        overlap.put(txn, i, self._seq)
+                        if after_put is not None:
+                            overlap.after_put(after_put, i)
                     used += size
                     staged.append((h, IndexEntry(self._seq, size, fingerprint, False)))
                     results.append(True)
+                if overlap is not None:
+                    overlap.finish()  # a copy-in that raised aborts the transaction, as on one thread
         except (lmdb.Error, OSError, struct.error) as exc:
             # Nothing of this transaction is visible; the index is unchanged.
             logger.warning("DISK write of %d blocks failed: %s", len(puts), str(exc))  # text, not the exception
             return [False] * len(puts)
+        finally:
+            if overlap is not None:  # after an error: every copy-in done before the caller frees a slot
+                overlap.finish()
         for h in deletes:
             self._forget(h, evicted)
         for h in dropped:
@@ -297,6 +315,21 @@ class DiskTier:
             self._used += entry.footprint
         self._update_index(staged, [*deletes, *dropped])
         return results
+
+    def _overlap(self, puts: Sequence, deletes: Sequence[BlockHash]) -> "_WriteOverlap | None":
+        """The writer thread's part of a batch of ``puts`` (:class:`_WriteOverlap`), or
+        ``None`` for a batch too small for it to pay (under two blocks of
+        :data:`OVERLAP_MIN_NBYTES`)."""
+        if len(puts) < 2 or min(put[2].numel() * put[2].element_size() for put in puts) < OVERLAP_MIN_NBYTES:
+            return None
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-write")
+        gone, seqs, seq = set(deletes), {}, self._seq
+        for i, put in enumerate(puts):  # the sequence each put gets if none is refused for room
+            if put[0] not in self._lru or put[0] in gone:
+                seq += 1
+                seqs[i] = seq
+        return _WriteOverlap(self._writer, puts, seqs)
 
     def _synced(self) -> tuple[int, int, int]:
         """The records environment's (data.mdb's inode, last transaction id, entries): what the
@@ -395,6 +428,9 @@ class DiskTier:
             self.env.close()
             self.env = None  # type: ignore[assignment]
             self.abandon_handles()
+            if self._writer is not None:
+                self._writer.shutdown()
+                self._writer = None
             if self._lock_file is not None:
                 self._lock_file.close()  # drops the flock
 
@@ -598,6 +634,93 @@ def advise_huge_pages(path: Path, map_size: int) -> bool:
         return False
 
 
+OVERLAP_MIN_NBYTES = 1 << 20
+"""Smallest block whose writes overlap (:class:`_WriteOverlap`): below it a hand-off to the
+writer thread costs about what it saves."""
+
+
+class _WriteOverlap:
+    """One write transaction's hashes and ``after_put`` copies on the tier's writer thread,
+    while LMDB copies the next block into its map on the caller's thread.
+
+    A store into a full CPU slab moves each victim's bytes three times: xxh3 reads it for the
+    record's checksum, LMDB copies it into its map and the new block is copied into its slot.
+    On one thread that ran at 0.44-0.52x of a raw write on the 2-core test VM, and the same
+    work without kvtier at 0.55-0.61x (bench/results/2026-12-02-floors/). The transaction
+    must stay on the thread that began it (LMDB's writer mutex), but py-lmdb releases the GIL
+    in ``mdb_put``, as xxhash and torch's copies do, so the hash of the next victim and the
+    copy-in after the last put run beside the put: each block's hash is submitted one put
+    ahead, and a hash the writer thread has not started by the time its block's put is done is
+    taken back and computed on the caller's thread, its block still in cache (the two threads
+    share the work as their speeds allow). Headers are hashed with the sequence each put
+    would get; one whose sequence changed (an earlier put refused for room) is hashed again.
+
+    ``after_put`` calls run on the writer thread, one at a time and in order, under the
+    caller's grad and inference modes; :meth:`finish` waits for every one before the batch
+    returns (the caller then frees or reuses the slots) and re-raises the first exception
+    one raised.
+    """
+
+    def __init__(self, writer: ThreadPoolExecutor, puts: Sequence, seqs: dict[int, int]) -> None:
+        self._writer, self._puts, self._seqs = writer, puts, seqs
+        self._order = list(seqs)  # put indices, in order
+        self._position = {i: p for p, i in enumerate(self._order)}
+        self._submitted = 0  # hashes submitted: self._order[:self._submitted]
+        self._hashes: dict[int, Future] = {}
+        self._copies: list[Future] = []
+        self._grad, self._inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def put(self, txn, i: int, seq: int) -> None:
+        """Put ``puts[i]``'s record with sequence ``seq`` (:func:`put_record`'s bytes)."""
+        h, namespace, block, *rest = self._puts[i]
+        fingerprint = rest[0] if rest else NO_FINGERPRINT
+        self._hash_ahead(self._position[i] + 1)
+        future = self._hashes.pop(i, None)
+        if future is not None and self._seqs[i] != seq:
+            future.cancel()
+            future = None
+
+        def header() -> bytes:
+            if future is not None and not future.cancel():
+                return future.result()
+            return encode_header(namespace, block, seq, fingerprint)
+
+        put_record(txn, h, namespace, block, seq, fingerprint, header)
+
+    def after_put(self, fn: Callable[[int], None], i: int) -> None:
+        """Run ``fn(i)`` on the writer thread after the work submitted before it."""
+        self._copies.append(self._writer.submit(self._in_caller_modes, fn, i))
+
+    def finish(self) -> None:
+        """Wait for the writer thread's part of the batch (hashes not started are dropped)."""
+        for future in self._hashes.values():
+            future.cancel()
+        for future in self._hashes.values():
+            if not future.cancelled():
+                future.exception()  # wait: it reads a slot the caller is about to reuse
+        self._hashes.clear()
+        first: BaseException | None = None
+        for future in self._copies:
+            exc = future.exception()
+            first = first if first is not None else exc
+        self._copies.clear()
+        if first is not None:
+            raise first
+
+    def _hash_ahead(self, last: int) -> None:
+        while self._submitted <= min(last, len(self._order) - 1):
+            i = self._order[self._submitted]
+            self._submitted += 1
+            _, namespace, block, *rest = self._puts[i]
+            if framed_block(block) is not None:
+                fingerprint = rest[0] if rest else NO_FINGERPRINT
+                self._hashes[i] = self._writer.submit(encode_header, namespace, block, self._seqs[i], fingerprint)
+
+    def _in_caller_modes(self, fn: Callable[[int], None], i: int) -> None:
+        with torch.inference_mode(self._inference), torch.set_grad_enabled(self._grad):
+            fn(i)
+
+
 def _lock_directory(path: Path):
     """Hold an exclusive ``flock`` on ``path/kvtier.lock`` for the tier's lifetime: a second
     writer would keep its own index and break the cap and the accounting.
@@ -619,7 +742,10 @@ def _lock_directory(path: Path):
     return lock_file
 
 
-def put_record(txn, key: bytes, namespace: bytes, block: torch.Tensor, seq: int, fingerprint: bytes) -> None:
+def put_record(
+    txn, key: bytes, namespace: bytes, block: torch.Tensor, seq: int, fingerprint: bytes,
+    header: Callable[[], bytes] | None = None,
+) -> None:
     """Write ``block``'s record (:func:`kvtier.records.encode_record`'s bytes exactly) under
     ``key`` in the LMDB write transaction ``txn`` (begun with ``buffers=True``), copying the
     block's bytes once.
@@ -631,28 +757,51 @@ def put_record(txn, key: bytes, namespace: bytes, block: torch.Tensor, seq: int,
     tensor storage (every CPU pool slot: :class:`kvtier.tiers.pool.BlockPool` keeps a page
     before slot 0), LMDB copies those bytes plus the block straight into the map (one copy),
     and the header, hashed from the block beforehand (:func:`kvtier.records.encode_header`),
-    is written over the first ``HEADER_NBYTES`` of the value LMDB just stored: a value put in
-    this transaction lies in its own dirty pages until commit (LMDB's ``MDB_RESERVE``
-    contract: mdb_put(3)), which ``txn.get`` with ``buffers=True`` points at. The bytes
-    borrowed from before the block are never stored: all of them are overwritten by the
-    header before the commit. Any other block (slot 0 of an unpadded tensor, a copy of a GPU
-    block) takes the buffered :func:`~kvtier.records.encode_record`.
+    is written over the first ``HEADER_NBYTES`` of the value LMDB just stored
+    (:func:`put_framed`). Any other block (slot 0 of an unpadded tensor, a copy of a GPU
+    block) takes the buffered :func:`~kvtier.records.encode_record`. ``header``: returns
+    :func:`~kvtier.records.encode_header`'s bytes for this block, called after LMDB's copy
+    (:class:`_WriteOverlap` hashes on another thread meanwhile); default: hashed here then.
 
     Raises:
         lmdb.Error: the put failed (map full, ...): nothing of the record is visible.
     """
-    nbytes = block.numel() * block.element_size()
-    if not (block.is_contiguous() and block.device.type == "cpu"
-            and block.storage_offset() * block.element_size() >= HEADER_NBYTES):
+    framed = framed_block(block)
+    if framed is None:
         txn.put(key, encode_record(namespace, block, seq, fingerprint))
         return
-    header = encode_header(namespace, block, seq, fingerprint)  # hashes the block in place
-    framed = (ctypes.c_uint8 * (HEADER_NBYTES + nbytes)).from_address(block.data_ptr() - HEADER_NBYTES)
+    put_framed(txn, key, framed, header or (lambda: encode_header(namespace, block, seq, fingerprint)))
+
+
+def framed_block(block: torch.Tensor) -> ctypes.Array | None:
+    """``block``'s bytes with the ``HEADER_NBYTES`` before them (a ctypes array over the
+    tensor's own memory), or ``None`` when those bytes are not the same CPU storage's
+    (see :func:`put_record`)."""
+    if not (block.is_contiguous() and block.device.type == "cpu"
+            and block.storage_offset() * block.element_size() >= HEADER_NBYTES):
+        return None
+    nbytes = block.numel() * block.element_size()
+    return (ctypes.c_uint8 * (HEADER_NBYTES + nbytes)).from_address(block.data_ptr() - HEADER_NBYTES)
+
+
+def put_framed(txn, key: bytes, framed: ctypes.Array, header: Callable[[], bytes]) -> None:
+    """Put ``framed`` (:func:`framed_block`) under ``key``, then write ``header()`` (the
+    record's ``HEADER_NBYTES``, called after the put: a caller may hash the block on another
+    thread while LMDB copies it, py-lmdb releasing the GIL in ``mdb_put``) over the value's
+    first bytes: a value put in this transaction lies in its own dirty pages until commit
+    (LMDB's ``MDB_RESERVE`` contract: mdb_put(3)), which ``txn.get`` with ``buffers=True``
+    points at. The borrowed bytes before the block are never stored: all of them are
+    overwritten before the commit.
+
+    Raises:
+        lmdb.Error: the put failed (map full, ...) or reads back short.
+    """
     txn.put(key, framed)
     stored = txn.get(key)
-    if stored is None or len(stored) != HEADER_NBYTES + nbytes:
+    if stored is None or len(stored) != len(framed):
         raise lmdb.Error(f"a record just put reads back as {None if stored is None else len(stored)} bytes")
-    ctypes.memmove(np.frombuffer(stored, dtype=np.uint8).ctypes.data, header, HEADER_NBYTES)
+    record = header()
+    ctypes.memmove(np.frombuffer(stored, dtype=np.uint8).ctypes.data, record, HEADER_NBYTES)
 
 
 def record_footprint(payload_nbytes: int, page_nbytes: int = 4096) -> int:

@@ -70,7 +70,7 @@ def test_tiers_bench_writes_rows_with_same_run_baselines(tmp_path):
                    "DISK open"):
         assert any(m.startswith(prefix) for m in metrics), f"no {prefix} row in {metrics}"
     floor = [m for m in metrics if "floor" in m]
-    assert floor == ["  floor of that store: xxh3 + copy to a mapped file + copy in (numpy)",
+    assert floor == ["  floor of that store: xxh3 + copy to a mapped file + copy in (numpy), 2 threads",
                      "  DISK spill: store() into full CPU slab, vs its floor"], floor
     by = {row["metric"]: row for row in data["rows"]}
     spill = by["DISK spill: store() into full CPU slab"]
@@ -103,9 +103,9 @@ def test_transfers_bench_writes_the_spill_rows_beside_their_floors(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = {row["metric"]: row for row in json.loads(out.read_text())["rows"]}
     assert list(rows)[1:] == [
-        "CPU -> DISK spill: evict a full CPU slab", "  floor of that spill: xxh3 + copy to a mapped file (numpy)",
+        "CPU -> DISK spill: evict a full CPU slab", "  floor of that spill: xxh3 + copy to a mapped file (numpy), 2 threads",
         "  CPU -> DISK spill vs its floor", "store() into a full CPU slab (copy in + spill)",
-        "  floor of that store: xxh3 + copy to a mapped file + copy in (numpy)", "  store() into a full CPU slab vs its floor",
+        "  floor of that store: xxh3 + copy to a mapped file + copy in (numpy), 2 threads", "  store() into a full CPU slab vs its floor",
     ], list(rows)
     for row in rows.values():
         assert set(row) == ROW_KEYS and row["unit"] == "GB/s" and row["value"] > 0 and row["baseline"] > 0
@@ -138,6 +138,33 @@ def test_mapped_file_is_sparse_or_holds_its_content_and_is_deleted_on_close(tmp_
     held = MappedFile(tmp_path / "b.bin", 4, b"kvtr", read_only=True)
     assert bytes(held.array) == b"kvtr" and not held.array.flags.writeable
     held.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("copy_in", [True, False])
+def test_store_floor_does_the_whole_work_on_each_thread_count(tmp_path, threads, copy_in):
+    """Every block hashed, copied out and (with copy_in) replaced, whatever the split; a part
+    left undone fails the floor's own check."""
+    import torch
+
+    from bench.tiers import StoreFloor
+
+    src = torch.arange(7 * 4096, dtype=torch.int32).view(7, 4096)
+    floor = StoreFloor(tmp_path / "floor.bin", src, copy_in=copy_in, threads=threads)
+    try:
+        assert floor.what.endswith(f"{threads} thread" + "s" * (threads > 1))
+        floor.run()
+        floor.check()
+        assert (floor.out == src.view(torch.uint8).numpy()[::-1]).all()  # the victims, spilled
+        floor._parts = floor._parts[:-1] if threads > 1 else [(0, 6)]  # a part left undone
+        floor.out[6] = 0xA5
+        floor.slab[:] = floor.src[::-1]
+        floor.run()
+        with pytest.raises(AssertionError):
+            floor.check()
+    finally:
+        floor.close()
     assert list(tmp_path.iterdir()) == []
 
 

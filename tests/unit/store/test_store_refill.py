@@ -17,6 +17,7 @@ from kvtier.tiers.disk import DiskTier
 from kvtier.types import Medium
 from tests.conftest import NS, chain, random_blocks, read_back, tiny_spec
 
+pytestmark = pytest.mark.usefixtures("write_overlap")
 SPEC = tiny_spec()
 
 

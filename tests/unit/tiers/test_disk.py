@@ -10,6 +10,7 @@ import torch
 
 from kvtier.tiers.disk import HEADER_NBYTES, DiskTier, ReadStatus, record_footprint
 
+pytestmark = pytest.mark.usefixtures("write_overlap")
 NS = b"n" * 32
 
 

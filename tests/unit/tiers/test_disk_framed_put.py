@@ -16,6 +16,7 @@ from kvtier.tiers.pool import FRAME_PAD_NBYTES, BlockPool
 from kvtier.types import Medium
 from tests.conftest import NS, chain, random_blocks, tiny_spec
 
+pytestmark = pytest.mark.usefixtures("write_overlap")
 SPEC = tiny_spec()
 
 
