@@ -29,7 +29,7 @@ second memory-bound copy: store() into a full CPU slab in bench/transfers.py wen
 bench/results/2026-12-02-perf-disk/README.md; issue 17). Batches of blocks of >= 1 MiB hash each next
 victim, and run the caller's copy-in after each put, on the tier's writer thread while LMDB
 copies on the caller's (:class:`_WriteOverlap`: store() into a full slab of 2 MiB blocks
-0.49-0.53x -> 0.62-0.80x of a raw write, its spill 0.68-0.77x -> 0.86-1.05x, same process,
+0.47-0.52x -> 0.67-0.69x of a raw write, its spill 0.69-0.77x -> 0.87-1.00x, same process,
 bench/results/2026-12-02-overlap/).
 
 Reads copy the payload straight out of LMDB's map into the destination (one copy, hashed
