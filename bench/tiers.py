@@ -373,7 +373,7 @@ class StoreFloor:
     0.7x): a raw write copies each byte once, a store into a full slab twice and hashes it.
 
     ``threads``: the blocks split in that many contiguous parts, one per thread (numpy's
-    copies and xxhash release the GIL). kvtier's DISK writes of blocks >= 1 MiB use two
+    copies and xxhash release the GIL). kvtier's DISK writes of blocks >= 640 KiB use two
     threads (the caller's and the tier's writer: ``kvtier.tiers.disk._WriteOverlap``), so
     the benches compare them with the two-thread floor."""
 

@@ -84,7 +84,7 @@ def make_store(tmp_path, namespace):
 @pytest.fixture(params=["serial", "overlap"])
 def write_overlap(request, monkeypatch):
     """Run a test with DISK writes on one thread and again overlapped with the tier's writer
-    thread (kvtier.tiers.disk._WriteOverlap, which real blocks of >= 1 MiB take and the tiny
+    thread (kvtier.tiers.disk._WriteOverlap, which real blocks of >= 640 KiB take and the tiny
     test blocks do not): modules opt in with ``pytestmark = pytest.mark.usefixtures(...)``."""
     from kvtier.tiers import disk
 

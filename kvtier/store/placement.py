@@ -9,7 +9,7 @@ tier down (pool -> next pool -> DISK, batched into LMDB transactions of ~64 MiB)
 tier already holds them; DISK victims are dropped. A store into the last pool may write each
 new block into a victim's slot as soon as LMDB has copied the victim (``make_room``'s
 ``refill``: the slot is still in cache, so the copy-in does not read it from DRAM again; for
-blocks of >= 1 MiB on the DISK tier's writer thread, beside LMDB's next copy:
+blocks of >= 640 KiB on the DISK tier's writer thread, beside LMDB's next copy:
 kvtier.tiers.disk._WriteOverlap).
 Every method expects the store's lock held.
 """

@@ -28,7 +28,9 @@ from kvtier.store.writes import BackgroundWrites
 from kvtier.types import NO_FINGERPRINT, BlockHash, Fingerprint
 
 WriteFn = Callable[[list[int], list[int]], None]
-"""``write(indices, block_ids)``: copy request blocks ``indices`` into ``top.tensor[block_ids]``."""
+"""``write(indices, block_ids)``: copy request blocks ``indices`` into ``top.tensor[block_ids]``
+(possibly on the DISK tier's writer thread while the caller holds the store's lock: see
+:meth:`kvtier.store.TieredStore.store_with`)."""
 
 
 class StorePath:

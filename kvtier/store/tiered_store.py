@@ -345,6 +345,12 @@ class TieredStore:
             block_hashes: the request's full blocks, in order.
             write: ``write(indices, block_ids)`` copies request blocks ``indices`` into
                 ``top.tensor[block_ids]``; an exception frees the chunk's slots and propagates.
+                It may run on the DISK tier's writer thread (a store into a full last pool
+                whose blocks are >= 640 KiB writes each block into a victim's slot as LMDB
+                copies the next victim: kvtier.tiers.disk._WriteOverlap) while this thread
+                holds the store's lock and waits for it: it must not take that lock or call
+                the store, and gets this thread's grad and inference modes but no other
+                thread-local torch state (autocast, dispatch modes, streams).
             prompt: its content keys, when given, are remembered to explain later misses
                 under another namespace (kvtier.store.misses).
             fingerprints: each block's token fingerprint (default ``NO_FINGERPRINT``).

@@ -26,7 +26,7 @@ straight into its map and the header is written over the frame in the transactio
 (:func:`put_record`; py-lmdb has no ``MDB_RESERVE``, and a record built in a buffer first cost a
 second memory-bound copy: store() into a full CPU slab in bench/transfers.py went from
 0.60-0.71x to 0.70-0.81x of a raw write in three before/after sittings,
-bench/results/2026-12-02-perf-disk/README.md; issue 17). Batches of blocks of >= 1 MiB hash each next
+bench/results/2026-12-02-perf-disk/README.md; issue 17). Batches of blocks of >= 640 KiB hash each next
 victim, and run the caller's copy-in after each put, on the tier's writer thread while LMDB
 copies on the caller's (:class:`_WriteOverlap`: store() into a full slab of 2 MiB blocks
 0.47-0.52x -> 0.67-0.69x of a raw write, its spill 0.69-0.77x -> 0.87-1.00x, same process,
@@ -318,7 +318,7 @@ class DiskTier:
 
     def _overlap(self, puts: Sequence, deletes: Sequence[BlockHash]) -> "_WriteOverlap | None":
         """The writer thread's part of a batch of ``puts`` (:class:`_WriteOverlap`), or
-        ``None`` for a batch too small for it to pay (under two blocks of
+        ``None`` for a batch too small for it to pay (under two blocks, or a block under
         :data:`OVERLAP_MIN_NBYTES`)."""
         if len(puts) < 2 or min(put[2].numel() * put[2].element_size() for put in puts) < OVERLAP_MIN_NBYTES:
             return None
@@ -634,9 +634,12 @@ def advise_huge_pages(path: Path, map_size: int) -> bool:
         return False
 
 
-OVERLAP_MIN_NBYTES = 1 << 20
-"""Smallest block whose writes overlap (:class:`_WriteOverlap`): below it a hand-off to the
-writer thread costs about what it saves."""
+OVERLAP_MIN_NBYTES = 640 << 10
+"""Smallest block whose writes overlap (:class:`_WriteOverlap`). Below it the two hand-offs a
+block makes weigh more against its copies: a store into a full slab of 704 KiB blocks
+(SmolLM2-135M's 16 tokens) gained in four of four logged A/B runs (0.38-0.41x -> 0.49-0.53x of a
+raw write), of 512 KiB blocks it did not (0.35-0.36x either way), of 256 KiB it lost (0.28x ->
+0.19x) (bench/results/2026-12-02-overlap/micro/ab_store.log)."""
 
 
 class _WriteOverlap:
@@ -688,8 +691,20 @@ class _WriteOverlap:
         put_record(txn, h, namespace, block, seq, fingerprint, header)
 
     def after_put(self, fn: Callable[[int], None], i: int) -> None:
-        """Run ``fn(i)`` on the writer thread after the work submitted before it."""
-        self._copies.append(self._writer.submit(self._in_caller_modes, fn, i))
+        """Run ``fn(i)`` on the writer thread after the work submitted before it (on this
+        thread, after the earlier calls, once the interpreter is shutting down)."""
+        future = self._submit(self._in_caller_modes, fn, i)
+        if future is None:
+            for earlier in self._copies:
+                earlier.exception()  # in order: the earlier calls first
+            future = Future()
+            try:
+                fn(i)
+            except BaseException as exc:  # re-raised by finish(), as from the writer thread
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+        self._copies.append(future)
 
     def finish(self) -> None:
         """Wait for the writer thread's part of the batch (hashes not started are dropped)."""
@@ -697,7 +712,7 @@ class _WriteOverlap:
             future.cancel()
         for future in self._hashes.values():
             if not future.cancelled():
-                future.exception()  # wait: it reads a slot the caller is about to reuse
+                future.exception()  # its result is not used; waited so that nothing of the batch runs after it
         self._hashes.clear()
         first: BaseException | None = None
         for future in self._copies:
@@ -714,7 +729,19 @@ class _WriteOverlap:
             _, namespace, block, *rest = self._puts[i]
             if framed_block(block) is not None:
                 fingerprint = rest[0] if rest else NO_FINGERPRINT
-                self._hashes[i] = self._writer.submit(encode_header, namespace, block, self._seqs[i], fingerprint)
+                future = self._submit(encode_header, namespace, block, self._seqs[i], fingerprint)
+                if future is not None:  # else hashed by put() on the caller's thread
+                    self._hashes[i] = future
+
+    def _submit(self, fn: Callable, *args) -> Future | None:
+        """``fn(*args)`` on the writer thread, or ``None`` when it takes no more work: from
+        the start of the interpreter's shutdown on (``concurrent.futures`` refuses new work
+        before ``atexit`` handlers run, and a store closed from one still flushes its memory
+        to DISK: the batch goes on on the caller's thread)."""
+        try:
+            return self._writer.submit(fn, *args)
+        except RuntimeError:
+            return None
 
     def _in_caller_modes(self, fn: Callable[[int], None], i: int) -> None:
         with torch.inference_mode(self._inference), torch.set_grad_enabled(self._grad):

@@ -24,6 +24,7 @@ import time
 import traceback
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Iterable
 
 from kvtier.types import BlockHash, Medium
@@ -103,10 +104,14 @@ class DeliveryGate:
         self._left = num_jobs
         self._held: list[Callable[[], None]] = []
 
-    def arrive(self, then: Callable[[], None] | None = None) -> None:
-        """One job has delivered: ``then`` (its second task's start; ``None``: none) runs
-        when the last job arrives, on that job's thread, with the others held so far, in
-        arrival order; at once if every job has arrived already. ``then`` must not raise."""
+    def arrive(
+        self, then: Callable[[], None] | None = None, run: Callable[[Callable[[], None]], None] | None = None,
+    ) -> None:
+        """One job has delivered: ``then`` (its second task; ``None``: none) runs when the last
+        job arrives, with the others held so far, in arrival order, one after another: as one
+        call handed to the last arrival's ``run`` (e.g. a submit to the I/O pool, so that it
+        queues behind the work already there), or on that job's thread without one; at once
+        if every job has arrived already. ``then`` must not raise."""
         with self._lock:
             if then is not None:
                 self._held.append(then)
@@ -114,8 +119,17 @@ class DeliveryGate:
             if self._left > 0:
                 return
             held, self._held = self._held, []
-        for start in held:
-            start()
+        if not held:
+            return
+        if run is None:
+            _run_all(held)
+        else:
+            run(partial(_run_all, held))
+
+
+def _run_all(calls: list[Callable[[], None]]) -> None:
+    for call in calls:
+        call()
 
 
 @dataclass(slots=True)

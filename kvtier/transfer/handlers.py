@@ -24,6 +24,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
+from typing import Callable
 
 import torch
 
@@ -153,12 +154,13 @@ class DiskHandler(_IOHandler):
         """A read with sinks (``job.sinks``) runs in two tasks: the reads into the sinks,
         which set ``job.delivery``, then the reads into the slots, queued behind the jobs
         submitted meanwhile (the rest of the same prefix's reads into its sinks go first) or,
-        with ``job.gate``, once every job of the gate has delivered, one job after another on
-        the thread of the last delivery: the other I/O threads, and a core, stay free for
+        with ``job.gate``, once every job of the gate has delivered, all of the gate's jobs as
+        one task of the I/O pool, one after another (queued behind the work already there,
+        such as another request's reads): the other I/O threads, and a core, stay free for
         the caller finishing the hit meanwhile (``before_prefill`` of a SmolLM2-135M DISK hit
-        over one copy, medians of 20 interleaved pairs on the 2-core test VM: 1k tokens
-        2.03 -> 1.95x and 1.55 -> 1.46x, 2k 1.70 -> 1.62x, 4k 1.43x both; the promotions'
-        end 3.0-3.7x -> 3.1-3.9x, off the request's path:
+        over one copy, medians of 20 interleaved pairs on the 2-core test VM against each
+        promotion submitted on its own: 1k tokens 1.54 -> 1.52x, 2k 1.45 -> 1.40x, 4k 1.62 ->
+        1.46x; the promotions' end 2.9-3.3x -> 3.0-3.3x, off the request's path:
         bench/results/2026-12-02-overlap/micro/promote_ab.log). The job is done when both
         tasks are; anything else runs as one task."""
         if job.sinks is None or job.dst_ids is None:
@@ -187,16 +189,10 @@ class DiskHandler(_IOHandler):
                 if job.delivery is not None:
                     job.delivery.set([status == ReadStatus.OK.value for status in statuses])
 
-            def promote() -> None:
-                try:
-                    self.executor.submit(finish, statuses)
-                except RuntimeError:  # the executor is shutting down: finish here
-                    finish(statuses)
-
-            if job.gate is not None:  # after the prefix's last delivery (its other jobs'), on this thread
-                job.gate.arrive(partial(finish, statuses))
+            if job.gate is not None:  # after the prefix's last delivery: all of its promotions as one task
+                job.gate.arrive(partial(finish, statuses), run=self._in_pool)
             else:
-                promote()
+                self._in_pool(partial(finish, statuses))
 
         try:
             self.executor.submit(deliver)
@@ -207,6 +203,12 @@ class DiskHandler(_IOHandler):
                 job.gate.arrive()  # never delivers: the prefix's other jobs must not wait for it
             raise
         return _FuturePending(done)
+
+    def _in_pool(self, task: Callable[[], None]) -> None:
+        try:
+            self.executor.submit(task)
+        except RuntimeError:  # the executor is shutting down: run it here
+            task()
 
     def _read_slots(self, job: TransferJob, statuses: list[str]) -> JobResult:
         """Each block whose status is still ``ok`` is read into its slot and verified there

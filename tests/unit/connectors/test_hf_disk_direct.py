@@ -335,18 +335,20 @@ def test_decode_into_view_of_a_block_larger_than_l2_checks_every_byte(where):
 
 
 def test_a_hits_promotions_run_after_every_delivery_one_after_another_on_one_thread(model, tmp_path, monkeypatch):
-    """The DeliveryGate's held promotions (reads into the top pool) run one after another on
-    the thread of the last delivery, inside its arrival (not handed to the I/O pool, where
-    both threads would take them while the caller finishes the hit); every block still lands,
+    """The DeliveryGate's held promotions (reads into the top pool) go to the I/O pool as one
+    task once every block is delivered, and run there one after another: never on both I/O
+    threads at once while the caller finishes the hit (each promotion here takes 20 ms, so
+    promotions submitted one by one would spread over both threads); every block still lands,
     verified, in the top pool."""
+    import time
+
     from kvtier.tiers.disk import DiskTier
-    from kvtier.transfer.engine import DeliveryGate
 
     monkeypatch.setattr(prefetch, "_DISK_JOB_NBYTES", 1)  # one block a job: six jobs over two threads
     ids = prompt(6 * BLOCK + 2, seed=34)
     kv = on_disk(model, tmp_path, ids)
-    events: list[tuple[str, str, bytes | None]] = []
-    real_views, real_into, real_arrive = DiskTier.read_into_views, DiskTier.read_into, DeliveryGate.arrive
+    events: list[tuple[str, str, bytes]] = []
+    real_views, real_into = DiskTier.read_into_views, DiskTier.read_into
 
     def views(self, hashes, *a, **k):
         result = real_views(self, hashes, *a, **k)
@@ -355,29 +357,20 @@ def test_a_hits_promotions_run_after_every_delivery_one_after_another_on_one_thr
 
     def into(self, h, *a, **k):
         events.append(("promote", threading.current_thread().name, h))
+        time.sleep(0.02)
         return real_into(self, h, *a, **k)
-
-    def arrive(self, then=None):
-        real_arrive(self, then)
-        if self._left == 0:
-            events.append(("arrived", threading.current_thread().name, None))
 
     monkeypatch.setattr(DiskTier, "read_into_views", views)
     monkeypatch.setattr(DiskTier, "read_into", into)
-    monkeypatch.setattr(DeliveryGate, "arrive", arrive)
     plan = kv.before_prefill(ids)
     assert_exact(plan, model, ids, 6 * BLOCK)
     kv.finish_loads()
     hashes = kv.block_hashes(ids[0])[:6]
     delivered = [e for e in events if e[0] == "deliver"]
     promoted = [e for e in events if e[0] == "promote"]
-    opened = [e for e in events if e[0] == "arrived"]
     assert sorted(h for *_, h in delivered) == sorted(hashes) and sorted(h for *_, h in promoted) == sorted(hashes)
-    assert len(opened) == 1
-    first, last = events.index(promoted[0]), events.index(promoted[-1])
-    assert first > max(events.index(e) for e in delivered)  # after every delivery
-    assert last < events.index(opened[0])  # all of them inside the last arrival
-    assert {t for _, t, _ in promoted} == {opened[0][1]} == {delivered[-1][1]}  # on its thread
+    assert events.index(promoted[0]) > max(events.index(e) for e in delivered)  # after every delivery
+    assert len({t for _, t, _ in promoted}) == 1  # one after another, on one thread
     assert [kv.store.placement.medium_of(h) for h in hashes] == [Medium.CPU] * 6
     del plan
     kv.close()

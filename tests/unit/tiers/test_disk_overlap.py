@@ -138,3 +138,92 @@ def test_close_stops_the_writer_thread(tmp_path, overlapped):
     assert writer is not None
     tier.close()
     assert tier._writer is None and writer._shutdown
+
+
+def test_after_puts_are_done_in_order_on_return_even_when_slow(tmp_path, overlapped):
+    """Slow callbacks, the first the slowest: a second writer thread or a return before they
+    finish would show here."""
+    import time
+
+    pool = _pool(5)
+    tier = DiskTier(tmp_path, 1 << 20)
+    calls: list[int] = []
+
+    def after_put(i: int) -> None:
+        time.sleep(0.002 * (5 - i))
+        calls.append(i)
+
+    assert tier.write_batch([(_hash(i), NS, pool.tensor[i]) for i in range(5)], after_put=after_put) == [True] * 5
+    assert calls == [0, 1, 2, 3, 4]
+    tier.close()
+
+
+def test_a_failed_put_returns_only_after_the_copy_ins_already_started(tmp_path, overlapped, monkeypatch):
+    """LMDB's map full at the 4th put: the batch fails, and the callbacks of the three puts
+    before it are done when write_batch returns (the caller frees their slots next)."""
+    import time
+
+    import lmdb
+
+    pool = _pool(6)
+    tier = DiskTier(tmp_path, 1 << 20)
+    real, puts = disk_module.put_record, []
+
+    def flaky(txn, key, *a, **k):
+        puts.append(key)
+        if len(puts) == 4:
+            raise lmdb.MapFullError("injected")
+        return real(txn, key, *a, **k)
+
+    monkeypatch.setattr(disk_module, "put_record", flaky)
+    calls: list[int] = []
+
+    def after_put(i: int) -> None:
+        time.sleep(0.01)
+        calls.append(i)
+
+    assert tier.write_batch([(_hash(i), NS, pool.tensor[i]) for i in range(6)], after_put=after_put) == [False] * 6
+    assert calls == [0, 1, 2]
+    assert len(tier) == 0
+    tier.check()
+    tier.close()
+
+
+def test_real_sized_blocks_overlap_and_small_or_single_ones_do_not(tmp_path):
+    """The shipped threshold (no fixture): a batch of two 1 MiB blocks takes the writer thread,
+    a batch with a block under the threshold or of one block does not; the records are exact."""
+    assert 1 << 20 >= disk_module.OVERLAP_MIN_NBYTES > _pool(1).tensor[0].numel() * 4
+    data = torch.randn(3, (1 << 20) // 4)  # three blocks of 1 MiB (float32), any shape will do
+    slab = torch.cat([torch.zeros(32), data.view(-1)])[32:].view(3, -1)  # 128 B before the first's storage
+    tier = DiskTier(tmp_path, 16 << 20)
+    assert tier.write_batch([(_hash(0), NS, slab[0])]) == [True]  # one block
+    small = _pool(2)
+    assert tier.write_batch([(_hash(1), NS, slab[1]), (_hash(2), NS, small.tensor[0])]) == [True, True]  # one small
+    assert tier._writer is None
+    assert tier.write_batch([(_hash(3), NS, slab[2]), (_hash(4), NS, slab[0])]) == [True, True]
+    assert tier._writer is not None
+    assert _stored(tier, [_hash(3), _hash(4)]) == [encode_record(NS, slab[2], 4).tobytes(),
+                                                   encode_record(NS, slab[0], 5).tobytes()]
+    tier.check()
+    tier.close()
+
+
+def test_a_batch_written_while_the_interpreter_shuts_down_still_lands(tmp_path, overlapped, monkeypatch):
+    """concurrent.futures refuses new work once the interpreter starts shutting down, before
+    atexit handlers run (a store closed from one flushes its memory to DISK): the batch goes
+    on on the caller's thread, every record exact, every after_put called in order."""
+    import concurrent.futures.thread as cf_thread
+
+    pool = _pool(4)
+    tier = DiskTier(tmp_path, 1 << 20)
+    assert tier.write_batch([(_hash(i), NS, pool.tensor[i]) for i in range(2)]) == [True] * 2  # the writer exists
+    monkeypatch.setattr(cf_thread, "_shutdown", True)
+    calls: list[tuple[int, str]] = []
+    puts = [(_hash(i), NS, pool.tensor[i]) for i in range(2, 4)] + [(_hash(9), NS, pool.tensor[0])]
+    assert tier.write_batch(puts, after_put=lambda i: calls.append((i, threading.current_thread().name))) == [True] * 3
+    assert [i for i, _ in calls] == [0, 1, 2] and {t for _, t in calls} == {threading.current_thread().name}
+    assert _stored(tier, [_hash(2), _hash(3), _hash(9)]) == [
+        encode_record(NS, pool.tensor[i], seq).tobytes() for i, seq in [(2, 3), (3, 4), (0, 5)]]
+    tier.check()
+    monkeypatch.setattr(cf_thread, "_shutdown", False)
+    tier.close()

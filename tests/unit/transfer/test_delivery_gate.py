@@ -33,3 +33,19 @@ def test_arrivals_from_many_threads_run_every_held_start_once():
     for t in threads:
         t.join()
     assert sorted(ran) == list(range(n))
+
+
+def test_the_last_arrivals_run_gets_every_held_start_as_one_call():
+    """With ``run`` (the handler passes a submit to its I/O pool) the held starts go to it as
+    one call that runs them in arrival order, not one by one on the arriving thread."""
+    gate, ran, handed = DeliveryGate(3), [], []
+    gate.arrive(lambda: ran.append("a"), run=handed.append)
+    gate.arrive(lambda: ran.append("b"), run=handed.append)
+    assert handed == [] and ran == []
+    gate.arrive(None, run=handed.append)  # the last arrival delivered nothing itself
+    assert len(handed) == 1 and ran == []  # nothing ran on the arriving thread
+    handed[0]()
+    assert ran == ["a", "b"]
+    empty = DeliveryGate(1)
+    empty.arrive(None, run=handed.append)  # nothing held: nothing handed over
+    assert len(handed) == 1

@@ -1,8 +1,9 @@
 """A/B of where a DISK hit's promotions run (kvtier.transfer.handlers.DiskHandler.start): the
 reads into the top pool behind the hit buffer's deliveries, released by the DeliveryGate at the
-prefix's last delivery. "one thread" (shipped): they run one after another on the thread of
-that last delivery; "both threads" (before): each is submitted to the store's I/O executor, so
-both I/O threads take them while the caller finishes the hit. Interleaved pairs in one
+prefix's last delivery. "one thread" (shipped): they go to the I/O pool as one task and run
+one after another there (in 8ec58db: inline on the thread of the last delivery, logged in the
+first part of promote_ab.log); "both threads" (before): each is submitted to the store's I/O
+executor on its own, so both I/O threads take them while the caller finishes the hit. Interleaved pairs in one
 process, SmolLM2-135M (bench/hit_path.py's DISK case); prints before_prefill and the time until
 every block is promoted (finish_loads), each over one torch copy of the same bytes timed just
 before it: best three and median.
@@ -27,11 +28,11 @@ arrive = DeliveryGate.arrive
 mode = {"both": False}
 
 
-def arrive_ab(self, then=None):  # "both threads": hand each held promotion to the I/O executor
+def arrive_ab(self, then=None, run=None):  # "both threads": hand each held promotion to the I/O executor
     if then is not None and mode["both"]:
         inline = then
         then = lambda: executor.submit(inline)  # noqa: E731
-    return arrive(self, then)
+    return arrive(self, then, run)
 
 
 DeliveryGate.arrive = arrive_ab
