@@ -28,6 +28,35 @@ def random_blocks(spec: KVSpec, n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn((n, *spec.block_shape), generator=g).to(spec.dtype)
 
 
+def filled_pool(n: int, spec: KVSpec | None = None, seed: int = 0):
+    """A CPU BlockPool of ``n`` slots holding :func:`random_blocks` (its slots are what DISK
+    writes frame: a page before slot 0)."""
+    from kvtier.tiers.pool import BlockPool
+    from kvtier.types import Medium
+
+    spec = spec or tiny_spec()
+    pool = BlockPool(Medium.CPU, spec, n * spec.block_nbytes)
+    pool.tensor.copy_(random_blocks(spec, n, seed=seed))
+    return pool
+
+
+def map_full_at(monkeypatch, n: int) -> list[bytes]:
+    """Make the ``n``-th DISK record put (``kvtier.tiers.disk.put_record``) raise
+    ``lmdb.MapFullError``; returns the keys put so far (the failing one included)."""
+    from kvtier.tiers import disk
+
+    real, puts = disk.put_record, []
+
+    def flaky(txn, key, *a, **k):
+        puts.append(key)
+        if len(puts) == n:
+            raise lmdb.MapFullError("injected")
+        return real(txn, key, *a, **k)
+
+    monkeypatch.setattr(disk, "put_record", flaky)
+    return puts
+
+
 def chain(n_blocks: int, spec: KVSpec, namespace: bytes, start: int = 0) -> list:
     tokens = list(range(start, start + n_blocks * spec.block_size))
     return block_hashes_for(tokens, namespace, spec.block_size)

@@ -15,7 +15,7 @@ from kvtier.records import ReadStatus
 from kvtier.tiers import disk as disk_module
 from kvtier.tiers.disk import DiskTier
 from kvtier.types import Medium
-from tests.conftest import NS, chain, random_blocks, read_back, tiny_spec
+from tests.conftest import NS, chain, map_full_at, random_blocks, read_back, tiny_spec
 
 pytestmark = pytest.mark.usefixtures("write_overlap")
 SPEC = tiny_spec()
@@ -77,15 +77,8 @@ def test_store_into_full_slab_via_store_matches_without_refill(make_store):
 
 def test_failing_lmdb_write_mid_spill_drops_victims_and_serves_nothing_wrong(make_store, monkeypatch):
     store, old, old_blocks = _full_slab(make_store)
-    real, puts = disk_module.put_record, []
-
-    def flaky(txn, key, *a, **k):
-        puts.append(key)
-        if len(puts) == 3:
-            raise lmdb.MapFullError("injected")
-        return real(txn, key, *a, **k)
-
-    monkeypatch.setattr(disk_module, "put_record", flaky)
+    real = disk_module.put_record
+    puts = map_full_at(monkeypatch, 3)
     new, new_blocks = chain(4, SPEC, NS), random_blocks(SPEC, 4, seed=4)
     assert store.store(new, new_blocks) == 4
     n, out = read_back(store, new)

@@ -13,8 +13,7 @@ import torch
 from kvtier.records import HEADER_NBYTES, encode_record
 from kvtier.tiers.disk import DiskTier, ReadStatus
 from kvtier.tiers.pool import FRAME_PAD_NBYTES, BlockPool
-from kvtier.types import Medium
-from tests.conftest import NS, chain, random_blocks, tiny_spec
+from tests.conftest import NS, chain, filled_pool, random_blocks, tiny_spec
 
 pytestmark = pytest.mark.usefixtures("write_overlap")
 SPEC = tiny_spec()
@@ -25,9 +24,7 @@ def _hash(i: int) -> bytes:
 
 
 def _pool(n: int, seed: int = 0) -> BlockPool:
-    pool = BlockPool(Medium.CPU, SPEC, n * SPEC.block_nbytes)
-    pool.tensor.copy_(random_blocks(SPEC, n, seed=seed))
-    return pool
+    return filled_pool(n, SPEC, seed)
 
 
 def test_cpu_pool_has_a_page_before_slot_0():

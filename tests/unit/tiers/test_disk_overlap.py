@@ -16,8 +16,7 @@ from kvtier.records import encode_record
 from kvtier.tiers import disk as disk_module
 from kvtier.tiers.disk import DiskTier, ReadStatus, record_footprint
 from kvtier.tiers.pool import BlockPool
-from kvtier.types import Medium
-from tests.conftest import NS, random_blocks, tiny_spec
+from tests.conftest import NS, filled_pool, map_full_at, random_blocks, tiny_spec
 
 SPEC = tiny_spec()
 
@@ -27,9 +26,7 @@ def _hash(i: int) -> bytes:
 
 
 def _pool(n: int, seed: int = 0) -> BlockPool:
-    pool = BlockPool(Medium.CPU, SPEC, n * SPEC.block_nbytes)
-    pool.tensor.copy_(random_blocks(SPEC, n, seed=seed))
-    return pool
+    return filled_pool(n, SPEC, seed)
 
 
 @pytest.fixture
@@ -163,19 +160,9 @@ def test_a_failed_put_returns_only_after_the_copy_ins_already_started(tmp_path, 
     before it are done when write_batch returns (the caller frees their slots next)."""
     import time
 
-    import lmdb
-
     pool = _pool(6)
     tier = DiskTier(tmp_path, 1 << 20)
-    real, puts = disk_module.put_record, []
-
-    def flaky(txn, key, *a, **k):
-        puts.append(key)
-        if len(puts) == 4:
-            raise lmdb.MapFullError("injected")
-        return real(txn, key, *a, **k)
-
-    monkeypatch.setattr(disk_module, "put_record", flaky)
+    puts = map_full_at(monkeypatch, 4)
     calls: list[int] = []
 
     def after_put(i: int) -> None:
@@ -183,7 +170,7 @@ def test_a_failed_put_returns_only_after_the_copy_ins_already_started(tmp_path, 
         calls.append(i)
 
     assert tier.write_batch([(_hash(i), NS, pool.tensor[i]) for i in range(6)], after_put=after_put) == [False] * 6
-    assert calls == [0, 1, 2]
+    assert calls == [0, 1, 2] and len(puts) == 4
     assert len(tier) == 0
     tier.check()
     tier.close()
