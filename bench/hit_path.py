@@ -172,9 +172,10 @@ def tier_rows(model, prompts: list[Prompt], tier: str, root: Path, repeats: int,
 
 class ReadFloor:
     """The work a verified DISK hit does, without kvtier: for each block's bytes in a
-    ``MAP_SHARED`` mapping of a cached file (mapped as LMDB's: :class:`bench.common.MappedFile`), their xxh3 (the record's checksum:
-    every DISK read is verified, docs/DESIGN) and one contiguous copy into a preallocated
-    host tensor; one thread, numpy and xxhash calls only (no keys, lookup, layout or cache).
+    ``MAP_SHARED`` mapping of a cached file (mapped as LMDB's: :class:`bench.common.MappedFile`),
+    their xxh3 (the record's checksum: every DISK read is verified, docs/DESIGN) and one
+    contiguous copy into a preallocated host tensor; one thread, numpy and xxhash calls only
+    (no keys, lookup, layout or cache).
     Its time over one copy's is what one thread doing only that work reaches against the
     baseline on this machine (issue 17's goal for the whole hit is 1.5x); not a proven bound."""
 

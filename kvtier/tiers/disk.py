@@ -253,24 +253,26 @@ class DiskTier:
 
     def _write_batch(self, puts, deletes, evicted, after_put=None) -> list[bool]:
         results: list[bool] = []
-        if puts and not self._filesystem_has_room(sum(put[2].numel() * put[2].element_size() for put in puts)):
+        sizes = [put[2].numel() * put[2].element_size() for put in puts]
+        if puts and not self._filesystem_has_room(sum(sizes)):
             logger.warning("DISK: filesystem of %s is full; %d blocks not written", self.path, len(puts))
             return [False] * len(puts)
         foreign = iter(list(self._foreign.items()))
         dropped: list[BlockHash] = []  # records of another version dropped to make room
-        overlap = self._overlap(puts, deletes)
+        gone = set(deletes)
+        overlap = self._overlap(puts, gone, min(sizes, default=0))
         try:
             with self.env.begin(write=True, buffers=True) as txn:  # buffers: see put_record
                 for h in deletes:
                     txn.delete(h)
-                used = self._used - sum(self._lru.get(h, 0) for h in set(deletes))
+                used = self._used - sum(self._lru.get(h, 0) for h in gone)
                 staged: list[tuple[BlockHash, IndexEntry]] = []
                 for i, (h, namespace, block, *rest) in enumerate(puts):
-                    if h in self._lru and h not in deletes:
+                    if self._kept(h, gone):
                         results.append(True)
                         continue
                     fingerprint = rest[0] if rest else NO_FINGERPRINT
-                    size = self.footprint(block.numel() * block.element_size())
+                    size = self.footprint(sizes[i])
                     if h in self._foreign and h not in dropped:  # overwritten below
                         used -= self._foreign[h]
                         dropped.append(h)
@@ -288,7 +290,7 @@ class DiskTier:
                         if after_put is not None:
                             after_put(i)
                     else:
-                        overlap.put(txn, i, self._seq)
+                        overlap.put(txn, i, h, namespace, block, self._seq, fingerprint)
                         if after_put is not None:
                             overlap.after_put(after_put, i)
                     used += size
@@ -316,17 +318,21 @@ class DiskTier:
         self._update_index(staged, [*deletes, *dropped])
         return results
 
-    def _overlap(self, puts: Sequence, deletes: Sequence[BlockHash]) -> "_WriteOverlap | None":
+    def _kept(self, block_hash: BlockHash, gone: set[BlockHash]) -> bool:
+        """A put of ``block_hash`` is skipped: it is stored and not among the batch's deletes."""
+        return block_hash in self._lru and block_hash not in gone
+
+    def _overlap(self, puts: Sequence, gone: set[BlockHash], min_nbytes: int) -> "_WriteOverlap | None":
         """The writer thread's part of a batch of ``puts`` (:class:`_WriteOverlap`), or
-        ``None`` for a batch too small for it to pay (under two blocks, or a block under
-        :data:`OVERLAP_MIN_NBYTES`)."""
-        if len(puts) < 2 or min(put[2].numel() * put[2].element_size() for put in puts) < OVERLAP_MIN_NBYTES:
+        ``None`` for a batch too small for it to pay (under two blocks, or its smallest block,
+        ``min_nbytes`` bytes, under :data:`OVERLAP_MIN_NBYTES`). ``gone``: the batch's deletes."""
+        if len(puts) < 2 or min_nbytes < OVERLAP_MIN_NBYTES:
             return None
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-write")
-        gone, seqs, seq = set(deletes), {}, self._seq
+        seqs, seq = {}, self._seq
         for i, put in enumerate(puts):  # the sequence each put gets if none is refused for room
-            if put[0] not in self._lru or put[0] in gone:
+            if not self._kept(put[0], gone):
                 seq += 1
                 seqs[i] = seq
         return _WriteOverlap(self._writer, puts, seqs)
@@ -648,8 +654,8 @@ class _WriteOverlap:
 
     A store into a full CPU slab moves each victim's bytes three times: xxh3 reads it for the
     record's checksum, LMDB copies it into its map and the new block is copied into its slot.
-    On one thread that ran at 0.44-0.52x of a raw write on the 2-core test VM, and the same
-    work without kvtier at 0.55-0.61x (bench/results/2026-12-02-floors/). The transaction
+    On one thread that ran at 0.44-0.51x of a raw write on the 2-core test VM, and the same
+    work without kvtier at 0.55-0.60x (bench/results/2026-12-02-floors/README.md, after-review). The transaction
     must stay on the thread that began it (LMDB's writer mutex), but py-lmdb releases the GIL
     in ``mdb_put``, as xxhash and torch's copies do, so the hash of the next victim and the
     copy-in after the last put run beside the put: each block's hash is submitted one put
@@ -673,10 +679,11 @@ class _WriteOverlap:
         self._copies: list[Future] = []
         self._grad, self._inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
-    def put(self, txn, i: int, seq: int) -> None:
-        """Put ``puts[i]``'s record with sequence ``seq`` (:func:`put_record`'s bytes)."""
-        h, namespace, block, *rest = self._puts[i]
-        fingerprint = rest[0] if rest else NO_FINGERPRINT
+    def put(
+        self, txn, i: int, h: BlockHash, namespace: bytes, block: torch.Tensor, seq: int, fingerprint: bytes,
+    ) -> None:
+        """Put ``puts[i]`` (``h``, ``namespace``, ``block``, ``fingerprint``: its fields) with
+        sequence ``seq``: :func:`put_record`'s bytes, whose errors it raises."""
         self._hash_ahead(self._position[i] + 1)
         future = self._hashes.pop(i, None)
         if future is not None and self._seqs[i] != seq:
@@ -727,7 +734,7 @@ class _WriteOverlap:
             i = self._order[self._submitted]
             self._submitted += 1
             _, namespace, block, *rest = self._puts[i]
-            if framed_block(block) is not None:
+            if is_framed(block):
                 fingerprint = rest[0] if rest else NO_FINGERPRINT
                 future = self._submit(encode_header, namespace, block, self._seqs[i], fingerprint)
                 if future is not None:  # else hashed by put() on the caller's thread
@@ -800,12 +807,18 @@ def put_record(
     put_framed(txn, key, framed, header or (lambda: encode_header(namespace, block, seq, fingerprint)))
 
 
+def is_framed(block: torch.Tensor) -> bool:
+    """Whether the ``HEADER_NBYTES`` before ``block`` (contiguous, on CPU) belong to the same
+    storage, so that :func:`put_record` writes it with one copy."""
+    return (block.is_contiguous() and block.device.type == "cpu"
+            and block.storage_offset() * block.element_size() >= HEADER_NBYTES)
+
+
 def framed_block(block: torch.Tensor) -> ctypes.Array | None:
-    """``block``'s bytes with the ``HEADER_NBYTES`` before them (a ctypes array over the
-    tensor's own memory), or ``None`` when those bytes are not the same CPU storage's
-    (see :func:`put_record`)."""
-    if not (block.is_contiguous() and block.device.type == "cpu"
-            and block.storage_offset() * block.element_size() >= HEADER_NBYTES):
+    """``block``'s bytes with the ``HEADER_NBYTES`` before them (a ``c_uint8`` array of
+    ``HEADER_NBYTES + block's nbytes`` over the tensor's own memory), or ``None`` unless
+    :func:`is_framed`."""
+    if not is_framed(block):
         return None
     nbytes = block.numel() * block.element_size()
     return (ctypes.c_uint8 * (HEADER_NBYTES + nbytes)).from_address(block.data_ptr() - HEADER_NBYTES)

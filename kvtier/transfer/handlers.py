@@ -160,9 +160,9 @@ class DiskHandler(_IOHandler):
         the caller finishing the hit meanwhile (``before_prefill`` of a SmolLM2-135M DISK hit
         over one copy, medians of 20 interleaved pairs on the 2-core test VM against each
         promotion submitted on its own: 1k tokens 1.54 -> 1.52x, 2k 1.45 -> 1.40x, 4k 1.62 ->
-        1.46x; the promotions' end 2.9-3.3x -> 3.0-3.3x, off the request's path:
-        bench/results/2026-12-02-overlap/micro/promote_ab.log). The job is done when both
-        tasks are; anything else runs as one task."""
+        1.46x, of the order of that host's run-to-run spread; the promotions' end 2.9-3.3x ->
+        3.0-3.3x, off the request's path: bench/results/2026-12-02-overlap/micro/promote_ab.log).
+        The job is done when both tasks are; anything else runs as one task."""
         if job.sinks is None or job.dst_ids is None:
             return super().start(job)
         started, n = time.perf_counter(), len(job.block_hashes)

@@ -134,7 +134,9 @@ def test_close_stops_the_writer_thread(tmp_path, overlapped):
     writer = tier._writer
     assert writer is not None
     tier.close()
-    assert tier._writer is None and writer._shutdown
+    assert tier._writer is None
+    with pytest.raises(RuntimeError):  # shut down: it takes no more work
+        writer.submit(int)
 
 
 def test_after_puts_are_done_in_order_on_return_even_when_slow(tmp_path, overlapped):
