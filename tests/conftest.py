@@ -202,3 +202,15 @@ class MemoryRemote(_MemoryRemote):
             self.errors["unavailable"] += 1
             return [False] * len(block_hashes)
         return super().put(namespace, block_hashes, blocks, fingerprints)
+
+
+@pytest.fixture(params=["aiohttp reads", "receiver"])
+def put_reads(request, monkeypatch) -> str:
+    """A put body read through aiohttp (``"aiohttp reads"``) or received straight from the
+    socket for every body size (``"receiver"``: kvtier.server.streams.BodyReceiver, whose
+    threshold the test blocks are far below). In-process daemons only (make_api,
+    thread_daemon, secure_daemon)."""
+    from kvtier.server import streams
+
+    monkeypatch.setattr(streams, "RECEIVE_MIN_NBYTES", 0 if request.param == "receiver" else 1 << 62)
+    return request.param

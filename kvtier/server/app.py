@@ -60,6 +60,7 @@ from kvtier.server.keys import (ACCESS, OPENAPI_PATHS, PUBLIC_PATHS, REGISTRY, S
 from kvtier.server.openapi import openapi
 from kvtier.server.registry import Namespace, Registry, RegistryError, UnknownNamespace
 from kvtier.server.settings import ServeConfig
+from kvtier.server.streams import CLOSE_AFTER
 from kvtier.server.tenants import Caller
 from kvtier.server.views import VIEWS, TenantViews, tenant_metrics, tenant_stats
 from kvtier.wire import FRAMES, MSGPACK, pack, spec_from_wire, spec_to_wire, unpack_map
@@ -160,13 +161,26 @@ def _calls(supervisor: Supervisor):
             conn = supervisor.begin(request)
             try:
                 check_request(request)
-                return await _access(request, handler)(request)
+                response = await _access(request, handler)(request)
             finally:
                 supervisor.end(conn)
         except Exception as exc:
-            return error_response(request, exc)
+            try:
+                response = error_response(request, exc)
+            except web.HTTPException as answer:  # aiohttp sends it as it is
+                _close_after(request, answer)
+                raise
+        _close_after(request, response)
+        return response
 
     return calls
+
+
+def _close_after(request: web.Request, response: web.StreamResponse) -> None:
+    """``Connection: close`` on the reply to a request whose body went past aiohttp's parser
+    (kvtier.server.streams.BodyReceiver: aiohttp closes the connection after it anyway)."""
+    if request.get(CLOSE_AFTER):
+        response.force_close()
 
 
 def _access(request: web.Request, handler: Handler) -> Handler:

@@ -199,6 +199,12 @@ class BodyClock:
         await self._wait(awaitable, nbytes)
         self.nbytes += nbytes
 
+    async def receive(self, awaitable, nbytes: int) -> None:
+        """Await a read of exactly ``nbytes`` into a buffer (kvtier.server.streams.BodyReceiver):
+        counted as a write is, from its start (the daemon asked for that many); raises
+        :class:`Expired`."""
+        await self.write(awaitable, nbytes)
+
     async def _wait(self, awaitable, ahead: int):
         allowed = self.grace_s + (self.nbytes + ahead) / self.rate - self.waited_s
         start = time.monotonic()
@@ -212,6 +218,8 @@ class BodyClock:
         except asyncio.TimeoutError:
             if asyncio.iscoroutine(awaitable):
                 awaitable.close()
+            elif asyncio.isfuture(awaitable):  # a receiver's fill: its buffer is given back
+                awaitable.cancel()
             raise Expired(f"slower than {self.rate} bytes/s after {self.grace_s:g} s of grace") from None
         finally:
             self.waited_s += time.monotonic() - start

@@ -209,10 +209,11 @@ async def receive_blocks(request: web.Request, registry: "Registry", entry: "Nam
     if request.content_length is not None and request.content_length > limit:
         raise error(web.HTTPRequestEntityTooLarge, f"expected a put body of at most {limit} bytes "
                     f"(--max-batch-blocks x --max-block-bytes), got Content-Length {request.content_length}")
-    reader = FrameReader(request.content, BodyClock(settings.grace_s, settings.min_rate_bytes_per_s))
+    reader = FrameReader.of(request, BodyClock(settings.grace_s, settings.min_rate_bytes_per_s))
     stored: list[bool] = []
     batch: _Batch | None = None
     direct = _Direct.of(registry, entry)
+    consumed = False
     try:
         while (record := await _next_frame(reader, entry, settings, len(stored))) is not None:
             block_hash, header, record = record
@@ -238,6 +239,7 @@ async def receive_blocks(request: web.Request, registry: "Registry", entry: "Nam
                 await batch.flush()
         if await reader.read(1):
             raise error(web.HTTPBadRequest, f"expected the body to end after the end byte (after {len(stored)} frames)")
+        consumed = True
         if batch is not None:
             await batch.flush()
             await batch.drain()
@@ -246,12 +248,28 @@ async def receive_blocks(request: web.Request, registry: "Registry", entry: "Nam
     except Expired as exc:
         reset(request.transport)
         raise error(web.HTTPRequestTimeout, f"put body: {exc}") from None
+    except Exception:  # answered before the body's end: read the rest first
+        if not consumed:
+            consumed = await _drained(reader, request)
+        raise
     finally:
+        reader.close(consumed)
         if direct is not None:
             direct.release()
         if batch is not None:
             await batch.release()
     return stored
+
+
+async def _drained(reader: FrameReader, request: web.Request) -> bool:
+    """Whether the rest of the body could be read (and dropped) so that an error answered
+    before its end reaches the client (kvtier.server.streams.FrameReader.drain)."""
+    try:
+        await reader.drain()
+    except (Expired, ConnectionError):
+        reset(request.transport)
+        return False
+    return True
 
 
 def _rejected(entry: "Namespace", index: int) -> None:
@@ -297,15 +315,8 @@ def _expected_frames(request: web.Request, entry: "Namespace") -> int | None:
 
 
 async def _payload(reader: FrameReader, dst: np.ndarray, digest, frame: int) -> None:
-    """Copy the next ``dst.nbytes`` body bytes into ``dst`` and hash them, piece by piece."""
-    offset, nbytes = 0, dst.nbytes
-    while offset < nbytes:
-        piece = await reader.piece(nbytes - offset)
-        if not piece:
-            raise error(web.HTTPBadRequest, f"frame {frame}: the body ends inside a block")
-        dst[offset : offset + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
-        digest.update(piece)
-        offset += len(piece)
+    """The next ``dst.nbytes`` body bytes into ``dst`` (flat ``uint8``), hashed as they come."""
+    await reader.readinto(memoryview(dst), digest, frame)
 
 
 class _Batch:

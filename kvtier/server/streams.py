@@ -1,6 +1,7 @@
 """Socket-level reads and writes of the daemon's frame streams (kvtier.server.frames): a put
-body read a received piece at a time without copies, a get's chunk of frames handed to the
-transport in one call, and the wait until the transport has sent it."""
+body received straight into its destinations (:class:`BodyReceiver`) or read a received piece
+at a time without copies, a get's chunk of frames handed to the transport in one call, and the
+wait until the transport has sent it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from kvtier.server.connections import BodyClock
+from kvtier.server.connections import BodyClock, reset
 from kvtier.server.errors import error
 from kvtier.types import BlockHash
 from kvtier.wire import frame_prefix
@@ -51,20 +52,31 @@ async def sent(transport: asyncio.Transport | None) -> None:
 
 
 class FrameReader:
-    """``request.content`` read through a :class:`BodyClock`, a received chunk at a time
-    (``readchunk``: aiohttp's ``read(n)`` and ``readany`` join the buffered chunks into a new
-    bytes, a copy of every payload byte); the rest of a chunk waits in ``_left`` for the next
-    read."""
+    """A put body read through a :class:`BodyClock`: straight from the socket into the
+    caller's buffers when a :class:`BodyReceiver` took it over (:meth:`of`), else
+    ``request.content`` a received chunk at a time (``readchunk``: aiohttp's ``read(n)`` and
+    ``readany`` join the buffered chunks into a new bytes, a copy of every payload byte); the
+    rest of a chunk waits in ``_left`` for the next read."""
 
-    def __init__(self, content, clock: BodyClock) -> None:
-        self.content, self.clock = content, clock
-        self._left = memoryview(b"")
+    def __init__(self, content, clock: BodyClock, receiver: "BodyReceiver | None" = None) -> None:
+        self.content, self.clock, self.receiver = content, clock, receiver
+        self._left = memoryview(receiver.leftover if receiver is not None else b"")
+
+    @classmethod
+    def of(cls, request: web.Request, clock: BodyClock) -> "FrameReader":
+        return cls(request.content, clock, BodyReceiver.take(request))
 
     async def piece(self, n: int) -> memoryview:
-        """The next 1 to ``n`` bytes of the body (a view of a received chunk, no copy);
-        empty at its end."""
+        """The next 1 to ``n`` bytes of the body (a view of a received chunk, no copy;
+        from a receiver: at most 64 KiB, copied once); empty at its end."""
         if not self._left:
-            self._left = memoryview(await self.clock.read(next_chunk(self.content)))
+            if self.receiver is None:
+                self._left = memoryview(await self.clock.read(next_chunk(self.content)))
+            else:
+                buf = memoryview(bytearray(min(n, _STASH_NBYTES, self.receiver.available)))
+                if buf:
+                    await self.clock.receive(self.receiver.fill(buf), len(buf))
+                return buf
         piece, self._left = self._left[:n], self._left[n:]
         return piece
 
@@ -82,6 +94,41 @@ class FrameReader:
     async def read(self, n: int) -> bytes:
         return bytes(await self.piece(n))
 
+    async def readinto(self, dst: memoryview, digest, frame: int) -> None:
+        """The body's next ``len(dst)`` bytes into ``dst`` (writable, format ``B``), fed to
+        ``digest`` (a running hash) as they come. Raises a 400 when the body ends first."""
+        offset, nbytes = 0, len(dst)
+        while offset < nbytes and (self._left or self.receiver is None):
+            piece = await self.piece(nbytes - offset)
+            if not piece:
+                raise error(web.HTTPBadRequest, f"frame {frame}: the body ends inside a block")
+            dst[offset : offset + len(piece)] = piece
+            digest.update(piece)
+            offset += len(piece)
+        if offset < nbytes:
+            if self.receiver.available < nbytes - offset:
+                raise error(web.HTTPBadRequest, f"frame {frame}: the body ends inside a block")
+            await self.clock.receive(self.receiver.fill(dst[offset:], digest), nbytes - offset)
+
+    async def drain(self) -> None:
+        """Read the rest of a receiver's body and drop it (an error answered before the body
+        ended: the client gets the answer once it sent its body, as aiohttp's lingering read
+        gives it; aiohttp's own reads are left to aiohttp). Within the clock; raises
+        :class:`~kvtier.server.connections.Expired`."""
+        if self.receiver is None:
+            return
+        self._left = memoryview(b"")
+        scratch = memoryview(bytearray(min(256 << 10, self.receiver.available)))
+        while self.receiver.available:
+            part = scratch[: min(len(scratch), self.receiver.available)]
+            await self.clock.receive(self.receiver.fill(part), len(part))
+
+    def close(self, consumed: bool) -> None:
+        """The body is done with (``consumed``: read to its end): a receiver gives the
+        transport back (kvtier.server.streams.BodyReceiver.close)."""
+        if self.receiver is not None:
+            self.receiver.close(consumed)
+
 
 async def next_chunk(content) -> bytes:
     """The next received piece of the body as aiohttp buffered it; ``b""`` at its end (the
@@ -95,3 +142,208 @@ async def next_chunk(content) -> bytes:
         data, http_chunk_end = await content.readchunk()
         if data or not http_chunk_end:
             return data
+
+
+_KEY = getattr(web, "RequestKey", None)  # aiohttp >= 3.12; plain strings before
+CLOSE_AFTER = _KEY("kvtier_close_after", bool) if _KEY else "kvtier_close_after"
+"""``request[CLOSE_AFTER]``: the response closes the connection (set where a
+:class:`BodyReceiver` took the body past aiohttp's parser, which still waits for it)."""
+
+RECEIVE_MIN_NBYTES = 1 << 20
+"""A put body with at least this many bytes still in the socket is received straight into
+its destinations (:class:`BodyReceiver`), and its connection closed after the reply (one TCP
+connect, ~0.1 ms on loopback, against ~0.1 ms of copies saved per MiB: issue 17,
+bench/results/2026-12-03-receive); smaller ones keep aiohttp's reads and keep-alive."""
+
+_STASH_NBYTES = 64 << 10
+
+
+class BodyReceiver(asyncio.BufferedProtocol):
+    """The rest of a request's ``Content-Length`` body read from the socket straight into the
+    buffers the handler gives (:meth:`fill`), with no copy in user space.
+
+    aiohttp's reads copy each received byte twice before a handler sees it: its event loop
+    (uvloop) makes a ``bytes`` of every read, and its HTTP parser slices the body out of
+    that (``cb_on_body``); kvtier's copy into a pool slot was the third (issue 17's profile,
+    bench/results/2026-12-02-floors: 29 % of the daemon's put samples in ``memmove``). Here
+    the transport's protocol is swapped (asyncio's ``set_protocol``; ``BufferedProtocol``:
+    ``get_buffer`` hands the kernel the destination itself, uvloop and asyncio's selector
+    loop both support it) for the rest of the body, after the bytes aiohttp had already
+    buffered (``leftover``). Each fill feeds the bytes to a running digest as they land,
+    still in cache.
+
+    aiohttp's parser still counts the body as unread, so the connection cannot carry another
+    request: :meth:`close` marks the response to close it (``request[CLOSE_AFTER]``) and
+    ends aiohttp's view of the body (no lingering read); the receiver stays the transport's
+    protocol until the connection closes, dropping what comes after the body. Reading is
+    paused whenever no fill is waiting (bytes that come anyway are kept, at most 64 KiB, for
+    the next fill) and never runs past the body's end into a block. Connection loss, an EOF
+    and the transport's write flow control are passed on to aiohttp's protocol as they would
+    have reached it (aiohttp writes the reply and closes the transport as usual).
+
+    Event-loop only. Not for TLS transports (their protocol is asyncio's SSL protocol) or
+    bodies without a ``Content-Length``: :meth:`take` answers ``None`` there.
+    """
+
+    def __init__(self, request: web.Request, transport: asyncio.Transport, remaining: int) -> None:
+        self.request, self.transport, self.inner = request, transport, request.protocol
+        self.remaining = remaining  # body bytes still in the socket
+        self._stash = bytearray()
+        self._spare: memoryview | None = None
+        self._target: memoryview | None = None
+        self._filled = 0
+        self._digest = None
+        self._waiter: asyncio.Future | None = None
+        self._error: BaseException | None = None
+        self._lost = False
+        self._reading = True
+        self._discard: memoryview | None = None  # after the body: what comes is dropped
+        transport.set_protocol(self)
+        self.leftover = request.content.read_nowait(-1)  # what aiohttp buffered already
+        self._pause()
+
+    @classmethod
+    def take(cls, request: web.Request) -> "BodyReceiver | None":
+        """A receiver for the rest of ``request``'s body, or ``None`` where aiohttp's reads
+        stay (no ``Content-Length``, fewer than :data:`RECEIVE_MIN_NBYTES` left, TLS, a
+        transport already closing or handed to another protocol)."""
+        transport, content = request.transport, request.content
+        length = request.content_length
+        if transport is None or length is None or transport.is_closing() or content.at_eof() \
+                or transport.get_extra_info("sslcontext") is not None \
+                or transport.get_protocol() is not request.protocol or not hasattr(transport, "set_protocol") \
+                or content.exception() is not None or "chunked" in request.headers.get("Transfer-Encoding", "").lower():
+            return None
+        remaining = length - content.total_bytes
+        if remaining < RECEIVE_MIN_NBYTES:
+            return None
+        return cls(request, transport, remaining)
+
+    @property
+    def available(self) -> int:
+        """Body bytes not yet handed to a fill."""
+        return self.remaining + len(self._stash)
+
+    def fill(self, view: memoryview, digest=None) -> asyncio.Future:
+        """A future done once ``view`` (writable, format ``B``, at most :attr:`available`
+        bytes) holds the body's next ``len(view)`` bytes, each fed to ``digest`` (a running
+        hash with ``update``) as it landed. Fails with ``ConnectionResetError`` when the
+        connection closes or the client ends its side first. Cancelling the future gives
+        ``view`` back: no byte is written into it afterwards."""
+        if self._waiter is not None and not self._waiter.done():
+            raise RuntimeError("a fill is already waiting")
+        if len(view) > self.available:
+            raise ValueError(f"a fill of {len(view)} bytes past the body's end ({self.available} left)")
+        waiter = asyncio.get_running_loop().create_future()
+        taken = min(len(self._stash), len(view))
+        if taken:
+            view[:taken] = self._stash[:taken]
+            del self._stash[:taken]
+            if digest is not None:
+                digest.update(view[:taken])
+        if taken == len(view):
+            waiter.set_result(None)
+            return waiter
+        if self._error is not None:
+            waiter.set_exception(self._error)
+            return waiter
+        self._target, self._filled, self._digest, self._waiter = view, taken, digest, waiter
+        waiter.add_done_callback(self._fill_done)
+        self._resume()
+        return waiter
+
+    def close(self, consumed: bool) -> None:
+        """The body is done with: the connection closes after the reply (aiohttp's
+        ``RequestHandler.close``; ``request[CLOSE_AFTER]`` asks the reply to say so). ``consumed``
+        (the whole body was read): aiohttp's view of the body is ended, so it does not wait
+        for more, and whatever the client sends after it is read and dropped until the
+        connection closes (unread bytes at a close would make the kernel answer with a reset,
+        which can destroy the reply before the client reads it: a client that pipelined its
+        next request). Else the connection is reset."""
+        self._target = self._digest = None
+        if self._lost or self._discard is not None:
+            return
+        self.request[CLOSE_AFTER] = True
+        self.inner.close()  # aiohttp closes the connection once the reply is sent
+        if consumed and not self.available:
+            self.request.content.feed_eof()
+            self._discard = memoryview(bytearray(_STASH_NBYTES))
+            self._resume()
+        else:
+            reset(self.transport)
+
+    # -- asyncio.BufferedProtocol ---------------------------------------------------------
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._discard is not None:
+            return self._discard
+        if self._target is not None and not self._waiter.done():  # (a cancelled fill: not)
+            self._spare = None
+            return self._target[self._filled : self._filled + self.remaining]
+        # a read with no fill waiting (it raced a pause): keep it for the next fill
+        self._spare = memoryview(bytearray(max(1, min(_STASH_NBYTES, self.remaining))))
+        return self._spare
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._discard is not None:
+            return
+        if nbytes > self.remaining:  # past the body (only from a read that raced a pause)
+            self._fail(ConnectionResetError("the client sent more than its Content-Length"))
+            return
+        self.remaining -= nbytes
+        if self._spare is None:  # into the fill's view (get_buffer chose it)
+            start = self._filled
+            self._filled += nbytes
+            if self._digest is not None:
+                self._digest.update(self._target[start : self._filled])
+            if self._filled == len(self._target):
+                waiter = self._waiter
+                self._target = self._digest = self._waiter = None
+                self._pause()
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)
+        else:
+            self._stash += self._spare[:nbytes]
+            self._spare = None
+            if len(self._stash) >= _STASH_NBYTES:
+                self._pause()
+        if not self.remaining:
+            self._pause()
+
+    def eof_received(self) -> bool | None:
+        self._fail(ConnectionResetError("the client ended its side inside the body"))
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._lost = True
+        self._fail(ConnectionResetError("the client went away inside the body"))
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    # -- internals ------------------------------------------------------------------------
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+        waiter, self._waiter = self._waiter, None
+        self._target = self._digest = None
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(self._error)
+
+    def _fill_done(self, waiter: asyncio.Future) -> None:
+        if waiter.cancelled() and self._waiter is waiter:  # the view is the caller's again
+            self._target = self._digest = self._waiter = None
+            self._pause()
+
+    def _pause(self) -> None:
+        if self._reading and not self._lost:
+            self._reading = False
+            self.transport.pause_reading()
+
+    def _resume(self) -> None:
+        if not self._reading and not self._lost:
+            self._reading = True
+            self.transport.resume_reading()

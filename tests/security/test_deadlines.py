@@ -64,7 +64,7 @@ class _Trickling:
 
 
 @pytest.mark.parametrize("path", ["direct", "staging"])
-def test_a_put_that_trickles_its_body_is_cut_and_its_staging_freed(secure_daemon, path):
+def test_a_put_that_trickles_its_body_is_cut_and_its_staging_freed(secure_daemon, path, put_reads):
     # grace 0.5 s, then 64 KiB/s; a store with nothing below its pool receives into a slot,
     # one with DISK into staging (kvtier.server.frames._Direct)
     daemon = secure_daemon(disk_blocks=0) if path == "direct" else secure_daemon()

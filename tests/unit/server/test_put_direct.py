@@ -21,6 +21,8 @@ from tests.conftest import random_blocks
 from tests.unit.server.conftest import NAMESPACE, SPEC, frames, hashes, ns_url, register
 from tests.unit.server.test_api import get_blocks, lookup, payload, put_blocks
 
+pytestmark = pytest.mark.usefixtures("put_reads")  # each test with aiohttp's reads and the receiver's
+
 FRAME_NBYTES = 1 + 32 + HEADER_NBYTES + SPEC.block_nbytes
 DIRECT = {"disk_blocks": 0}
 MODES = {"direct": DIRECT, "staging (DISK below)": {}}

@@ -1,0 +1,382 @@
+"""A put body received straight from the socket into its destinations
+(kvtier.server.streams.BodyReceiver, issue 17): bit-exact blocks on both event loops however
+the body is cut into reads, the connection closed after the reply (aiohttp's parser still
+waits for the body it never saw), nothing read past the body, an error answered before the
+body's end reaching the client, and the receiver's own rules (fills, the stash, a cancelled
+fill, EOF, loss) on a fake transport."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import msgpack
+import pytest
+import xxhash
+
+from kvtier.records import HEADER_NBYTES
+from kvtier.server import streams
+from kvtier.server.app import REGISTRY
+from kvtier.server.streams import CLOSE_AFTER, BodyReceiver
+from kvtier.tiers.remote import RemoteTier
+from kvtier.types import KVSpec
+from kvtier.wire import FRAMES, pack, spec_to_wire
+from tests.conftest import random_blocks
+from tests.unit.server.conftest import NAMESPACE, SPEC, frames, hashes, ns_url, register
+from tests.unit.server.test_api import BAD_INPUTS, get_blocks, lookup, payload, put_blocks
+
+import torch
+
+FRAME_NBYTES = 1 + 32 + HEADER_NBYTES + SPEC.block_nbytes
+BIG = KVSpec(num_layers=4, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.float16)  # 256 KiB blocks
+
+
+@pytest.fixture
+def receive_all(monkeypatch):
+    monkeypatch.setattr(streams, "RECEIVE_MIN_NBYTES", 0)
+
+
+def _raw_put(port: int, body: bytes, parts: list[int], pause_s: float = 0.02, after: bytes = b"") -> bytes:
+    """POST ``body`` over one socket, cut after each offset of ``parts`` with a pause (so the
+    daemon waits inside a fill), then ``after``; the whole reply."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall((f"POST {ns_url(NAMESPACE, 'put')} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {FRAMES}\r\n"
+                      f"Content-Length: {len(body)}\r\n\r\n").encode())
+        start = 0
+        for end in [*parts, len(body)]:
+            time.sleep(pause_s)
+            sock.sendall(body[start:end])
+            start = end
+        if after:
+            sock.sendall(after)
+        reply = b""
+        while chunk := sock.recv(1 << 16):
+            reply += chunk
+    return reply
+
+
+def _stored(reply: bytes) -> list[bool]:
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), reply[:300]
+    assert b"connection: close" in head.lower(), head
+    return msgpack.unpackb(body)["stored"]
+
+
+# -- through a daemon ------------------------------------------------------------------------------
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+def test_a_body_cut_anywhere_lands_bit_exact_and_the_connection_closes(thread_daemon, event_loop, receive_all):
+    if event_loop == "uvloop":
+        pytest.importorskip("uvloop")
+    daemon = thread_daemon(disk_blocks=0, event_loop=event_loop)
+    client = RemoteTier(daemon.url, timeout_s=10.0)
+    client.register(NAMESPACE, SPEC)
+    hs, blocks = hashes(4), random_blocks(SPEC, 4, seed=31)
+    body = frames(NAMESPACE, hs, blocks)
+    # cuts inside the first hash byte, a header, a payload, across two frames, before the end byte
+    parts = [1, 20, 1 + 32 + 50, FRAME_NBYTES + 300, 3 * FRAME_NBYTES - 7, len(body) - 1]
+    assert _stored(_raw_put(daemon.port, body, parts)) == [True] * 4
+    outs = [torch.empty_like(b) for b in blocks]
+    assert all(s.value == "ok" for s in client.get_into(NAMESPACE, hs, outs))
+    assert all(torch.equal(o.view(torch.uint8), b.view(torch.uint8)) for o, b in zip(outs, blocks))
+    client.close()
+
+
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+def test_real_sized_puts_take_the_receiver_and_the_client_reconnects(thread_daemon, event_loop, monkeypatch):
+    """Bodies over the shipped threshold (8 blocks of 256 KiB): every put is received from the
+    socket (its reply closes the connection) and RemoteTier's next call opens another."""
+    if event_loop == "uvloop":
+        pytest.importorskip("uvloop")
+    taken = []
+    take = BodyReceiver.take.__func__
+    monkeypatch.setattr(BodyReceiver, "take", classmethod(lambda cls, r: taken.append(take(cls, r)) or taken[-1]))
+    daemon = thread_daemon(disk_blocks=0, cpu_blocks=64, spec=BIG, event_loop=event_loop,
+                           max_block_bytes=BIG.block_nbytes)
+    client = RemoteTier(daemon.url, timeout_s=10.0)
+    client.register(NAMESPACE, BIG)
+    for round_ in range(3):
+        hs, blocks = hashes(8, salt=round_), random_blocks(BIG, 8, seed=round_)
+        assert client.put(NAMESPACE, hs, blocks) == [True] * 8, dict(client.errors)
+        outs = [torch.empty_like(b) for b in blocks]
+        assert all(s.value == "ok" for s in client.get_into(NAMESPACE, hs, outs))
+        assert all(torch.equal(o.view(torch.uint8), b.view(torch.uint8)) for o, b in zip(outs, blocks))
+    assert len(taken) == 3 and all(r is not None for r in taken)
+    assert not client.errors
+    client.close()
+
+
+def test_a_small_put_keeps_aiohttps_reads_and_the_connection(thread_daemon):
+    daemon = thread_daemon(disk_blocks=0)
+    hs, blocks = hashes(2), random_blocks(SPEC, 2, seed=32)
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as sock:
+        spec_body = pack(spec_to_wire(SPEC))
+        sock.sendall((f"PUT {ns_url(NAMESPACE)} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/msgpack\r\n"
+                      f"Content-Length: {len(spec_body)}\r\n\r\n").encode() + spec_body)
+        body = frames(NAMESPACE, hs, blocks)
+        sock.sendall((f"POST {ns_url(NAMESPACE, 'put')} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {FRAMES}\r\n"
+                      f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
+        reply = b""
+        while reply.count(b"HTTP/1.1 ") < 2 or not reply.endswith(b"\xc3\xc3"):  # {"stored": [True, True]}
+            chunk = sock.recv(1 << 16)
+            assert chunk, reply
+            reply += chunk
+    assert b"connection: close" not in reply.lower()
+
+
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+def test_bytes_after_the_body_are_never_read_into_a_block(thread_daemon, event_loop, receive_all):
+    if event_loop == "uvloop":
+        pytest.importorskip("uvloop")
+    daemon = thread_daemon(disk_blocks=0, event_loop=event_loop)
+    RemoteTier(daemon.url, timeout_s=10.0).register(NAMESPACE, SPEC)
+    hs, blocks = hashes(3), random_blocks(SPEC, 3, seed=33)
+    body = frames(NAMESPACE, hs, blocks)
+    pipelined = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" + bytes(FRAME_NBYTES)
+    try:
+        reply = _raw_put(daemon.port, body, [FRAME_NBYTES + 10], after=pipelined)
+    except ConnectionResetError:
+        pass  # bytes still unread when the daemon closed: the kernel's reset may beat the reply
+    else:
+        assert _stored(reply) == [True] * 3
+        assert reply.count(b"HTTP/1.1 ") == 1  # the connection closed after the put's reply
+    store = daemon.app[REGISTRY].get("default", NAMESPACE).store
+    assert daemon.call(lambda: sum(t["blocks"] for t in store.usage().values())) == 3
+    client = RemoteTier(daemon.url, timeout_s=10.0)
+    client.register(NAMESPACE, SPEC)
+    outs = [torch.empty_like(b) for b in blocks]
+    assert all(s.value == "ok" for s in client.get_into(NAMESPACE, hs, outs))
+    assert all(torch.equal(o.view(torch.uint8), b.view(torch.uint8)) for o, b in zip(outs, blocks))
+    client.close()
+
+
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+def test_an_error_before_the_body_ends_reaches_the_client_and_frees_every_slot(thread_daemon, event_loop):
+    """A real-sized body (shipped threshold) whose second frame names another namespace: the
+    daemon reads the rest of the body, then the client gets the 400 and its message; the
+    first frame is stored, nothing stays reserved, the daemon keeps serving."""
+    if event_loop == "uvloop":
+        pytest.importorskip("uvloop")
+    daemon = thread_daemon(disk_blocks=0, cpu_blocks=64, spec=BIG, event_loop=event_loop,
+                           max_block_bytes=BIG.block_nbytes)
+    client = RemoteTier(daemon.url, timeout_s=10.0)
+    client.register(NAMESPACE, BIG)
+    hs, blocks = hashes(6, salt=5), random_blocks(BIG, 6, seed=34)
+    body = frames(NAMESPACE, hs[:1], blocks[:1], end=False) + frames(b"\x02" * 32, hs[1:], blocks[1:])
+    reply = _raw_put(daemon.port, body, [len(body) // 3, 2 * len(body) // 3])
+    head, _, message = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), reply[:300]
+    assert b"connection: close" in head.lower()  # and the connection closed (the read ended)
+    assert b"namespace" in message
+    store = daemon.app[REGISTRY].get("default", NAMESPACE).store
+    assert daemon.call(lambda: len(store.residency.pending())) == 0
+    assert client.lookup(NAMESPACE, hs) == 1
+    assert client.put(NAMESPACE, hs[1:], blocks[1:]) == [True] * 5  # the daemon keeps serving
+    daemon.call(store.check_invariants)
+    client.close()
+
+
+@pytest.mark.parametrize("case", [c for c in BAD_INPUTS if c[2].endswith("/put")], ids=lambda c: c[0])
+async def test_bad_put_bodies_from_the_socket_are_4xx_with_a_message(make_api, case, receive_all):
+    _, method, path, body, status = case
+    client = await make_api(max_batch_blocks=64)
+    await register(client)
+    hs, blocks = hashes(2), random_blocks(SPEC, 2, seed=10)
+    await put_blocks(client, hs, blocks)
+    response = await client.request(method, path, data=body)
+    assert response.status == status, await response.text()
+    assert (await response.json())["error"]
+    assert (await client.get("/healthz")).status == 200
+    assert [p for _, _, p in await get_blocks(client, hs)] == [payload(b) for b in blocks]
+    assert (await lookup(client, hs))["num_blocks"] == 2
+    client.server.app[REGISTRY].get("default", NAMESPACE).store.check_invariants()
+
+
+# -- the receiver on a fake transport -------------------------------------------------------------
+class _Transport(asyncio.Transport):
+    def __init__(self, protocol) -> None:
+        super().__init__()
+        self.protocol, self.reading, self.aborted = protocol, True, False
+        self.calls: list[str] = []
+
+    def set_protocol(self, protocol) -> None:
+        self.protocol = protocol
+
+    def get_protocol(self):
+        return self.protocol
+
+    def pause_reading(self) -> None:
+        self.reading = False
+        self.calls.append("pause")
+
+    def resume_reading(self) -> None:
+        self.reading = True
+        self.calls.append("resume")
+
+    def is_closing(self) -> bool:
+        return self.aborted
+
+    def get_extra_info(self, name, default=None):
+        return default
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def deliver(self, data: bytes) -> int:
+        """What the event loop does for one read: ``get_buffer``, the kernel's copy,
+        ``buffer_updated``. Returns the bytes delivered (at most the buffer's size)."""
+        buf = self.protocol.get_buffer(-1)
+        n = min(len(buf), len(data))
+        assert n > 0
+        buf[:n] = data[:n]
+        self.protocol.buffer_updated(n)
+        return n
+
+
+class _Inner:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def connection_lost(self, exc) -> None:
+        self.events.append("lost")
+
+    def close(self) -> None:
+        self.events.append("close")
+
+    def eof_received(self):
+        self.events.append("eof")
+
+    def pause_writing(self) -> None:
+        self.events.append("pause_writing")
+
+    def resume_writing(self) -> None:
+        self.events.append("resume_writing")
+
+
+class _Content:
+    def __init__(self, buffered: bytes) -> None:
+        self.buffered, self.total_bytes, self.eof = buffered, len(buffered), False
+
+    def read_nowait(self, n: int = -1) -> bytes:
+        data, self.buffered = self.buffered, b""
+        return data
+
+    def at_eof(self) -> bool:
+        return self.eof
+
+    def exception(self):
+        return None
+
+    def feed_eof(self) -> None:
+        self.eof = True
+
+
+class _Request(dict):
+    def __init__(self, body: bytes, buffered: int) -> None:
+        super().__init__()
+        self.protocol = _Inner()
+        self.transport = _Transport(self.protocol)
+        self.content = _Content(body[:buffered])
+        self.content_length = len(body)
+        self.headers: dict[str, str] = {}
+
+
+def _receiver(body: bytes, buffered: int = 0) -> tuple[BodyReceiver, _Request]:
+    request = _Request(body, buffered)
+    receiver = BodyReceiver.take(request)
+    assert receiver is not None
+    return receiver, request
+
+
+async def test_fills_take_exactly_their_bytes_and_hash_them_as_they_land(receive_all):
+    body = bytes(range(256)) * 40
+    receiver, request = _receiver(body, buffered=100)
+    assert receiver.leftover == body[:100] and receiver.remaining == len(body) - 100
+    assert request.transport.protocol is receiver and not request.transport.reading  # paused: nothing asked
+    first, digest = bytearray(3000), xxhash.xxh3_64()
+    fill = receiver.fill(memoryview(first), digest)
+    assert request.transport.reading
+    offset = 100
+    for n in (1, 999, 5000):  # the last read offers more than the fill takes
+        offset += request.transport.deliver(body[offset : offset + n])
+    assert offset == 3100 and fill.done() and not request.transport.reading
+    assert bytes(first) == body[100:3100] and digest.intdigest() == xxhash.xxh3_64_intdigest(body[100:3100])
+    rest = bytearray(len(body) - 3100)
+    with pytest.raises(ValueError, match="past the body"):
+        receiver.fill(memoryview(bytearray(len(rest) + 1)))
+    fill = receiver.fill(memoryview(rest))
+    request.transport.deliver(body[3100:])
+    await fill
+    assert bytes(rest) == body[3100:] and receiver.available == 0 and not request.transport.reading
+    receiver.close(consumed=True)
+    assert request[CLOSE_AFTER] and request.content.eof and not request.transport.aborted
+    assert request.transport.reading  # what comes after the body is read and dropped
+    request.transport.deliver(b"GET / HTTP/1.1\r\n\r\n")
+    assert bytes(rest) == body[3100:] and receiver.available == 0
+    receiver.connection_lost(None)  # aiohttp closed the transport after its reply
+    assert request.protocol.events == ["close", "lost"]  # close: aiohttp's, once it replied
+
+
+async def test_bytes_that_come_with_no_fill_waiting_are_kept_for_the_next_one(receive_all):
+    body = bytes(range(200)) * 10
+    receiver, request = _receiver(body)
+    request.transport.deliver(body[:500])  # a read that raced the pause
+    assert receiver.available == len(body)
+    out, digest = bytearray(800), xxhash.xxh3_64()
+    fill = receiver.fill(memoryview(out), digest)
+    request.transport.deliver(body[500:800])
+    await fill
+    assert bytes(out) == body[:800] and digest.intdigest() == xxhash.xxh3_64_intdigest(body[:800])
+
+
+async def test_a_cancelled_fill_gets_no_byte_after_it(receive_all):
+    body = bytes(5000)
+    receiver, request = _receiver(body)
+    out = bytearray(b"\xff" * 4000)
+    fill = receiver.fill(memoryview(out))
+    request.transport.deliver(b"\x01" * 1000)
+    fill.cancel()
+    request.transport.deliver(b"\x02" * 1000)  # a read already under way lands in the stash
+    await asyncio.sleep(0)
+    assert not request.transport.reading
+    assert bytes(out) == b"\x01" * 1000 + b"\xff" * 3000
+    assert receiver.available == 4000  # the 1000 stashed bytes are still the body's
+    receiver.close(consumed=False)
+    assert request.transport.aborted and CLOSE_AFTER in request
+
+
+async def test_eof_and_loss_fail_the_fill_and_reach_aiohttps_protocol(receive_all):
+    for event in ("eof", "lost"):
+        receiver, request = _receiver(bytes(4000))
+        fill = receiver.fill(memoryview(bytearray(3000)))
+        request.transport.deliver(bytes(100))
+        if event == "eof":
+            receiver.eof_received()
+        else:
+            receiver.connection_lost(None)
+        with pytest.raises(ConnectionResetError):
+            await fill
+        assert request.protocol.events == [event]
+        with pytest.raises(ConnectionResetError):  # and every fill after it
+            await receiver.fill(memoryview(bytearray(10)))
+    receiver.pause_writing()
+    receiver.resume_writing()
+    assert request.protocol.events == ["lost", "pause_writing", "resume_writing"]
+    receiver.close(consumed=False)  # a lost connection is not touched again
+    assert not request.transport.aborted and CLOSE_AFTER not in request
+
+
+def test_no_receiver_where_aiohttps_reads_stay():
+    body = bytes(3 << 20)
+    chunked = _Request(body, 0)
+    chunked.headers["Transfer-Encoding"] = "chunked"
+    unknown = _Request(body, 0)
+    unknown.content_length = None
+    small = _Request(bytes(100 << 10), 0)
+    read = _Request(body, len(body) - 1000)  # all but 1000 bytes buffered by aiohttp
+    handed = _Request(body, 0)
+    handed.transport.protocol = object()
+    for request in (chunked, unknown, small, read, handed):
+        assert BodyReceiver.take(request) is None
+        assert request.transport.protocol is not None and not request.transport.calls
+    assert BodyReceiver.take(_Request(body, 0)) is not None
