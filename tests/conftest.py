@@ -213,4 +213,5 @@ def put_reads(request, monkeypatch) -> str:
     from kvtier.server import streams
 
     monkeypatch.setattr(streams, "RECEIVE_MIN_NBYTES", 0 if request.param == "receiver" else 1 << 62)
+    monkeypatch.setattr(streams, "RECEIVE_MIN_BLOCK_NBYTES", 0)
     return request.param

@@ -199,10 +199,14 @@ class BodyClock:
         await self._wait(awaitable, nbytes)
         self.nbytes += nbytes
 
-    async def receive(self, awaitable, nbytes: int) -> None:
+    async def receive(self, awaitable: asyncio.Future, nbytes: int) -> None:
         """Await a read of exactly ``nbytes`` into a buffer (kvtier.server.streams.BodyReceiver):
         counted as a write is, from its start (the daemon asked for that many); raises
-        :class:`Expired`."""
+        :class:`Expired`. A fill already done (served from the receiver's stash) costs no wait."""
+        if awaitable.done():
+            awaitable.result()
+            self.nbytes += nbytes
+            return
         await self.write(awaitable, nbytes)
 
     async def _wait(self, awaitable, ahead: int):

@@ -209,7 +209,8 @@ async def receive_blocks(request: web.Request, registry: "Registry", entry: "Nam
     if request.content_length is not None and request.content_length > limit:
         raise error(web.HTTPRequestEntityTooLarge, f"expected a put body of at most {limit} bytes "
                     f"(--max-batch-blocks x --max-block-bytes), got Content-Length {request.content_length}")
-    reader = FrameReader.of(request, BodyClock(settings.grace_s, settings.min_rate_bytes_per_s))
+    reader = FrameReader.of(request, BodyClock(settings.grace_s, settings.min_rate_bytes_per_s),
+                            entry.spec.block_nbytes)
     stored: list[bool] = []
     batch: _Batch | None = None
     direct = _Direct.of(registry, entry)
@@ -404,8 +405,9 @@ class _Batch:
 
 class _Direct:
     """A put's frames received straight into top-pool slots: one copy of each payload byte
-    (aiohttp's receive buffer -> the slot), hashed piece by piece as it is copied, where the
-    staging path copies it twice (-> staging buffer -> slot).
+    (aiohttp's receive buffer -> the slot; none after the kernel's where a
+    kvtier.server.streams.BodyReceiver took the body), hashed piece by piece as it lands,
+    where the staging path copies it twice (-> staging buffer -> slot).
 
     Per frame, once its header is checked: ``prepare_store`` of that one block reserves a
     slot (pending: pinned, invisible to lookups), the payload is read into the slot's bytes,

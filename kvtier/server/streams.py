@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
+from kvtier.records import HEADER_NBYTES
 from kvtier.server.connections import BodyClock, reset
 from kvtier.server.errors import error
 from kvtier.types import BlockHash
@@ -63,20 +64,22 @@ class FrameReader:
         self._left = memoryview(receiver.leftover if receiver is not None else b"")
 
     @classmethod
-    def of(cls, request: web.Request, clock: BodyClock) -> "FrameReader":
-        return cls(request.content, clock, BodyReceiver.take(request))
+    def of(cls, request: web.Request, clock: BodyClock, block_nbytes: int) -> "FrameReader":
+        """The reader of a put body of blocks of ``block_nbytes`` bytes (a receiver's where
+        :meth:`BodyReceiver.take` gives one)."""
+        return cls(request.content, clock, BodyReceiver.take(request, block_nbytes))
 
     async def piece(self, n: int) -> memoryview:
         """The next 1 to ``n`` bytes of the body (a view of a received chunk, no copy;
-        from a receiver: at most 64 KiB, copied once); empty at its end."""
+        from a receiver: a fill of at least a frame prefix's bytes, at most 64 KiB, whose
+        rest waits for the next read); empty at its end."""
         if not self._left:
             if self.receiver is None:
                 self._left = memoryview(await self.clock.read(next_chunk(self.content)))
-            else:
-                buf = memoryview(bytearray(min(n, _STASH_NBYTES, self.receiver.available)))
-                if buf:
-                    await self.clock.receive(self.receiver.fill(buf), len(buf))
-                return buf
+            else:  # a whole frame prefix per fill (one event-loop round trip, not three)
+                self._left = memoryview(bytearray(min(max(n, _PREFIX_NBYTES), _STASH_NBYTES, self.receiver.available)))
+                if self._left:
+                    await self.clock.receive(self.receiver.fill(self._left), len(self._left))
         piece, self._left = self._left[:n], self._left[n:]
         return piece
 
@@ -149,13 +152,19 @@ CLOSE_AFTER = _KEY("kvtier_close_after", bool) if _KEY else "kvtier_close_after"
 """``request[CLOSE_AFTER]``: the response closes the connection (set where a
 :class:`BodyReceiver` took the body past aiohttp's parser, which still waits for it)."""
 
-RECEIVE_MIN_NBYTES = 1 << 20
-"""A put body with at least this many bytes still in the socket is received straight into
-its destinations (:class:`BodyReceiver`), and its connection closed after the reply (one TCP
-connect, ~0.1 ms on loopback, against ~0.1 ms of copies saved per MiB: issue 17,
-bench/results/2026-12-03-receive); smaller ones keep aiohttp's reads and keep-alive."""
+RECEIVE_MIN_NBYTES = 16 << 20
+RECEIVE_MIN_BLOCK_NBYTES = 1 << 20
+"""A put body with at least :data:`RECEIVE_MIN_NBYTES` bytes still in the socket, of blocks
+of at least :data:`RECEIVE_MIN_BLOCK_NBYTES`, is received straight into its destinations
+(:class:`BodyReceiver`) and its connection closed after the reply; others keep aiohttp's reads
+and keep-alive. Where it was measured faster (issue 17, bench/results/2026-12-03-receive,
+2 vCPUs, uvloop, three runs): 1-4 MiB blocks in 16-32 MiB bodies at 1.03-1.37x aiohttp's GB/s
+(one run of 16 x 1 MiB: 0.99x) and 0.50-0.78x its daemon CPU per GB; smaller bodies lose to the
+reconnect each put costs (one 2 MiB block: 0.67-0.80x), 256 KiB blocks to the round trip each
+frame costs (0.75-0.97x)."""
 
 _STASH_NBYTES = 64 << 10
+_PREFIX_NBYTES = 1 + 32 + HEADER_NBYTES  # a put frame up to its payload (kvtier.wire.frame_prefix)
 
 
 class BodyReceiver(asyncio.BufferedProtocol):
@@ -175,9 +184,11 @@ class BodyReceiver(asyncio.BufferedProtocol):
     aiohttp's parser still counts the body as unread, so the connection cannot carry another
     request: :meth:`close` marks the response to close it (``request[CLOSE_AFTER]``) and
     ends aiohttp's view of the body (no lingering read); the receiver stays the transport's
-    protocol until the connection closes, dropping what comes after the body. Reading is
-    paused whenever no fill is waiting (bytes that come anyway are kept, at most 64 KiB, for
-    the next fill) and never runs past the body's end into a block. Connection loss, an EOF
+    protocol until the connection closes, dropping what comes after the body. Once a fill is
+    done, reading goes on into a stash of at most one frame prefix (161 bytes: the next
+    frame's hash and record header come in the same turn of the loop as the payload before
+    them, and the next small fill is served from it without waiting), then pauses until the
+    next fill; it never runs past the body's end into a block. Connection loss, an EOF
     and the transport's write flow control are passed on to aiohttp's protocol as they would
     have reached it (aiohttp writes the reply and closes the transport as usual).
 
@@ -203,10 +214,12 @@ class BodyReceiver(asyncio.BufferedProtocol):
         self._pause()
 
     @classmethod
-    def take(cls, request: web.Request) -> "BodyReceiver | None":
-        """A receiver for the rest of ``request``'s body, or ``None`` where aiohttp's reads
-        stay (no ``Content-Length``, fewer than :data:`RECEIVE_MIN_NBYTES` left, TLS, a
-        transport already closing or handed to another protocol)."""
+    def take(cls, request: web.Request, block_nbytes: int) -> "BodyReceiver | None":
+        """A receiver for the rest of ``request``'s body (frames of blocks of
+        ``block_nbytes`` bytes), or ``None`` where aiohttp's reads stay: no ``Content-Length``,
+        fewer than :data:`RECEIVE_MIN_NBYTES` left, blocks under
+        :data:`RECEIVE_MIN_BLOCK_NBYTES`, TLS, a transport already closing or handed to
+        another protocol."""
         transport, content = request.transport, request.content
         length = request.content_length
         if transport is None or length is None or transport.is_closing() or content.at_eof() \
@@ -215,7 +228,7 @@ class BodyReceiver(asyncio.BufferedProtocol):
                 or content.exception() is not None or "chunked" in request.headers.get("Transfer-Encoding", "").lower():
             return None
         remaining = length - content.total_bytes
-        if remaining < RECEIVE_MIN_NBYTES:
+        if remaining < RECEIVE_MIN_NBYTES or block_nbytes < RECEIVE_MIN_BLOCK_NBYTES:
             return None
         return cls(request, transport, remaining)
 
@@ -279,8 +292,8 @@ class BodyReceiver(asyncio.BufferedProtocol):
         if self._target is not None and not self._waiter.done():  # (a cancelled fill: not)
             self._spare = None
             return self._target[self._filled : self._filled + self.remaining]
-        # a read with no fill waiting (it raced a pause): keep it for the next fill
-        self._spare = memoryview(bytearray(max(1, min(_STASH_NBYTES, self.remaining))))
+        # no fill waiting: a frame prefix ahead, kept for the next fill
+        self._spare = memoryview(bytearray(max(1, min(_PREFIX_NBYTES - len(self._stash), self.remaining))))
         return self._spare
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -298,13 +311,12 @@ class BodyReceiver(asyncio.BufferedProtocol):
             if self._filled == len(self._target):
                 waiter = self._waiter
                 self._target = self._digest = self._waiter = None
-                self._pause()
                 if waiter is not None and not waiter.done():
                     waiter.set_result(None)
         else:
             self._stash += self._spare[:nbytes]
             self._spare = None
-            if len(self._stash) >= _STASH_NBYTES:
+            if len(self._stash) >= _PREFIX_NBYTES:
                 self._pause()
         if not self.remaining:
             self._pause()

@@ -18,7 +18,7 @@ import xxhash
 from kvtier.records import HEADER_NBYTES
 from kvtier.server import streams
 from kvtier.server.app import REGISTRY
-from kvtier.server.streams import CLOSE_AFTER, BodyReceiver
+from kvtier.server.streams import _PREFIX_NBYTES, CLOSE_AFTER, BodyReceiver
 from kvtier.tiers.remote import RemoteTier
 from kvtier.types import KVSpec
 from kvtier.wire import FRAMES, pack, spec_to_wire
@@ -29,12 +29,15 @@ from tests.unit.server.test_api import BAD_INPUTS, get_blocks, lookup, payload, 
 import torch
 
 FRAME_NBYTES = 1 + 32 + HEADER_NBYTES + SPEC.block_nbytes
-BIG = KVSpec(num_layers=4, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.float16)  # 256 KiB blocks
+BIG = KVSpec(num_layers=16, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.float16)  # 1 MiB blocks
+assert BIG.block_nbytes == streams.RECEIVE_MIN_BLOCK_NBYTES
+PUT_BLOCKS = streams.RECEIVE_MIN_NBYTES // BIG.block_nbytes + 1  # a put body the shipped thresholds receive
 
 
 @pytest.fixture
 def receive_all(monkeypatch):
     monkeypatch.setattr(streams, "RECEIVE_MIN_NBYTES", 0)
+    monkeypatch.setattr(streams, "RECEIVE_MIN_BLOCK_NBYTES", 0)
 
 
 def _raw_put(port: int, body: bytes, parts: list[int], pause_s: float = 0.02, after: bytes = b"") -> bytes:
@@ -82,22 +85,23 @@ def test_a_body_cut_anywhere_lands_bit_exact_and_the_connection_closes(thread_da
     client.close()
 
 
+@pytest.mark.slow  # 17 MiB puts: the fast lane covers the receiver with small bodies (receive_all)
 @pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
 def test_real_sized_puts_take_the_receiver_and_the_client_reconnects(thread_daemon, event_loop, monkeypatch):
-    """Bodies over the shipped threshold (8 blocks of 256 KiB): every put is received from the
+    """Bodies over the shipped thresholds (17 blocks of 1 MiB): every put is received from the
     socket (its reply closes the connection) and RemoteTier's next call opens another."""
     if event_loop == "uvloop":
         pytest.importorskip("uvloop")
     taken = []
     take = BodyReceiver.take.__func__
-    monkeypatch.setattr(BodyReceiver, "take", classmethod(lambda cls, r: taken.append(take(cls, r)) or taken[-1]))
+    monkeypatch.setattr(BodyReceiver, "take", classmethod(lambda cls, r, b: taken.append(take(cls, r, b)) or taken[-1]))
     daemon = thread_daemon(disk_blocks=0, cpu_blocks=64, spec=BIG, event_loop=event_loop,
                            max_block_bytes=BIG.block_nbytes)
     client = RemoteTier(daemon.url, timeout_s=10.0)
     client.register(NAMESPACE, BIG)
     for round_ in range(3):
-        hs, blocks = hashes(8, salt=round_), random_blocks(BIG, 8, seed=round_)
-        assert client.put(NAMESPACE, hs, blocks) == [True] * 8, dict(client.errors)
+        hs, blocks = hashes(PUT_BLOCKS, salt=round_), random_blocks(BIG, PUT_BLOCKS, seed=round_)
+        assert client.put(NAMESPACE, hs, blocks) == [True] * PUT_BLOCKS, dict(client.errors)
         outs = [torch.empty_like(b) for b in blocks]
         assert all(s.value == "ok" for s in client.get_into(NAMESPACE, hs, outs))
         assert all(torch.equal(o.view(torch.uint8), b.view(torch.uint8)) for o, b in zip(outs, blocks))
@@ -161,7 +165,7 @@ def test_an_error_before_the_body_ends_reaches_the_client_and_frees_every_slot(t
                            max_block_bytes=BIG.block_nbytes)
     client = RemoteTier(daemon.url, timeout_s=10.0)
     client.register(NAMESPACE, BIG)
-    hs, blocks = hashes(6, salt=5), random_blocks(BIG, 6, seed=34)
+    hs, blocks = hashes(PUT_BLOCKS, salt=5), random_blocks(BIG, PUT_BLOCKS, seed=34)
     body = frames(NAMESPACE, hs[:1], blocks[:1], end=False) + frames(b"\x02" * 32, hs[1:], blocks[1:])
     reply = _raw_put(daemon.port, body, [len(body) // 3, 2 * len(body) // 3])
     head, _, message = reply.partition(b"\r\n\r\n")
@@ -171,7 +175,7 @@ def test_an_error_before_the_body_ends_reaches_the_client_and_frees_every_slot(t
     store = daemon.app[REGISTRY].get("default", NAMESPACE).store
     assert daemon.call(lambda: len(store.residency.pending())) == 0
     assert client.lookup(NAMESPACE, hs) == 1
-    assert client.put(NAMESPACE, hs[1:], blocks[1:]) == [True] * 5  # the daemon keeps serving
+    assert client.put(NAMESPACE, hs[1:], blocks[1:]) == [True] * (PUT_BLOCKS - 1)  # the daemon keeps serving
     daemon.call(store.check_invariants)
     client.close()
 
@@ -283,7 +287,7 @@ class _Request(dict):
 
 def _receiver(body: bytes, buffered: int = 0) -> tuple[BodyReceiver, _Request]:
     request = _Request(body, buffered)
-    receiver = BodyReceiver.take(request)
+    receiver = BodyReceiver.take(request, 1 << 20)
     assert receiver is not None
     return receiver, request
 
@@ -299,7 +303,8 @@ async def test_fills_take_exactly_their_bytes_and_hash_them_as_they_land(receive
     offset = 100
     for n in (1, 999, 5000):  # the last read offers more than the fill takes
         offset += request.transport.deliver(body[offset : offset + n])
-    assert offset == 3100 and fill.done() and not request.transport.reading
+    assert offset == 3100 and fill.done()
+    assert request.transport.reading  # on, for the next frame's prefix
     assert bytes(first) == body[100:3100] and digest.intdigest() == xxhash.xxh3_64_intdigest(body[100:3100])
     rest = bytearray(len(body) - 3100)
     with pytest.raises(ValueError, match="past the body"):
@@ -320,13 +325,22 @@ async def test_fills_take_exactly_their_bytes_and_hash_them_as_they_land(receive
 async def test_bytes_that_come_with_no_fill_waiting_are_kept_for_the_next_one(receive_all):
     body = bytes(range(200)) * 10
     receiver, request = _receiver(body)
-    request.transport.deliver(body[:500])  # a read that raced the pause
-    assert receiver.available == len(body)
-    out, digest = bytearray(800), xxhash.xxh3_64()
-    fill = receiver.fill(memoryview(out), digest)
-    request.transport.deliver(body[500:800])
+    first = bytearray(100)
+    fill = receiver.fill(memoryview(first))
+    request.transport.deliver(body[:100])
     await fill
-    assert bytes(out) == body[:800] and digest.intdigest() == xxhash.xxh3_64_intdigest(body[:800])
+    assert request.transport.reading  # on after a fill: the next frame's prefix comes with it
+    assert request.transport.deliver(body[100:600]) == _PREFIX_NBYTES  # one frame prefix ahead, no more
+    assert not request.transport.reading and receiver.available == len(body) - 100
+    head = bytearray(50)
+    done = receiver.fill(memoryview(head))  # served from the stash: no wait, no read
+    assert done.done() and bytes(head) == body[100:150] and not request.transport.reading
+    out, digest = bytearray(700), xxhash.xxh3_64()
+    fill = receiver.fill(memoryview(out), digest)
+    assert request.transport.reading
+    request.transport.deliver(body[100 + _PREFIX_NBYTES : 850])
+    await fill
+    assert bytes(out) == body[150:850] and digest.intdigest() == xxhash.xxh3_64_intdigest(body[150:850])
 
 
 async def test_a_cancelled_fill_gets_no_byte_after_it(receive_all):
@@ -367,16 +381,17 @@ async def test_eof_and_loss_fail_the_fill_and_reach_aiohttps_protocol(receive_al
 
 
 def test_no_receiver_where_aiohttps_reads_stay():
-    body = bytes(3 << 20)
+    body = bytes(17 << 20)
     chunked = _Request(body, 0)
     chunked.headers["Transfer-Encoding"] = "chunked"
     unknown = _Request(body, 0)
     unknown.content_length = None
-    small = _Request(bytes(100 << 10), 0)
+    small = _Request(bytes(15 << 20), 0)
     read = _Request(body, len(body) - 1000)  # all but 1000 bytes buffered by aiohttp
     handed = _Request(body, 0)
     handed.transport.protocol = object()
-    for request in (chunked, unknown, small, read, handed):
-        assert BodyReceiver.take(request) is None
+    for request, block_nbytes in ((chunked, 1 << 20), (unknown, 1 << 20), (small, 1 << 20), (read, 1 << 20),
+                                  (handed, 1 << 20), (_Request(body, 0), 256 << 10)):
+        assert BodyReceiver.take(request, block_nbytes) is None
         assert request.transport.protocol is not None and not request.transport.calls
-    assert BodyReceiver.take(_Request(body, 0)) is not None
+    assert BodyReceiver.take(_Request(body, 0), 1 << 20) is not None
