@@ -199,15 +199,29 @@ class BodyClock:
         await self._wait(awaitable, nbytes)
         self.nbytes += nbytes
 
-    async def receive(self, awaitable: asyncio.Future, nbytes: int) -> None:
-        """Await a read of exactly ``nbytes`` into a buffer (kvtier.server.streams.BodyReceiver):
-        counted as a write is, from its start (the daemon asked for that many); raises
-        :class:`Expired`. A fill already done (served from the receiver's stash) costs no wait."""
-        if awaitable.done():
-            awaitable.result()
-            self.nbytes += nbytes
-            return
-        await self.write(awaitable, nbytes)
+    async def receive(self, fill: asyncio.Future, nbytes: int, landed) -> None:
+        """Await a fill of ``nbytes`` (kvtier.server.streams.BodyReceiver.fill), its bytes
+        counted as they land (``landed()``: how many so far), as a read's are: a client that
+        stops sending is cut ``grace_s`` after its last byte's allowance, however large the
+        fill. Raises :class:`Expired`; the fill is cancelled whenever this returns without it
+        (its buffer is the caller's again). A fill already done costs no wait."""
+        if not fill.done():
+            start = time.monotonic()
+            try:
+                while not fill.done():
+                    allowed = (self.grace_s + (self.nbytes + landed()) / self.rate - self.waited_s
+                               - (time.monotonic() - start))
+                    if allowed <= 0:
+                        raise Expired(f"slower than {self.rate} bytes/s after {self.grace_s:g} s of grace")
+                    await asyncio.wait((fill,), timeout=allowed)
+            finally:
+                self.waited_s += time.monotonic() - start
+                if not fill.done():
+                    fill.cancel()
+                elif not fill.cancelled():
+                    fill.exception()  # retrieved (a cancel of this task may have raced its failure)
+        fill.result()
+        self.nbytes += nbytes
 
     async def _wait(self, awaitable, ahead: int):
         allowed = self.grace_s + (self.nbytes + ahead) / self.rate - self.waited_s
@@ -222,8 +236,6 @@ class BodyClock:
         except asyncio.TimeoutError:
             if asyncio.iscoroutine(awaitable):
                 awaitable.close()
-            elif asyncio.isfuture(awaitable):  # a receiver's fill: its buffer is given back
-                awaitable.cancel()
             raise Expired(f"slower than {self.rate} bytes/s after {self.grace_s:g} s of grace") from None
         finally:
             self.waited_s += time.monotonic() - start

@@ -209,11 +209,11 @@ async def receive_blocks(request: web.Request, registry: "Registry", entry: "Nam
     if request.content_length is not None and request.content_length > limit:
         raise error(web.HTTPRequestEntityTooLarge, f"expected a put body of at most {limit} bytes "
                     f"(--max-batch-blocks x --max-block-bytes), got Content-Length {request.content_length}")
-    reader = FrameReader.of(request, BodyClock(settings.grace_s, settings.min_rate_bytes_per_s),
-                            entry.spec.block_nbytes)
     stored: list[bool] = []
     batch: _Batch | None = None
     direct = _Direct.of(registry, entry)
+    reader = FrameReader.of(request, BodyClock(settings.grace_s, settings.min_rate_bytes_per_s),
+                            entry.spec.block_nbytes)  # last: from here on only the finally gives it back
     consumed = False
     try:
         while (record := await _next_frame(reader, entry, settings, len(stored))) is not None:
@@ -251,6 +251,12 @@ async def receive_blocks(request: web.Request, registry: "Registry", entry: "Nam
         raise error(web.HTTPRequestTimeout, f"put body: {exc}") from None
     except Exception:  # answered before the body's end: read the rest first
         if not consumed:
+            if direct is not None:  # the slots and buffers are not held while it drains
+                direct.release()
+                direct = None
+            if batch is not None:
+                await batch.release()
+                batch = None
             consumed = await _drained(reader, request)
         raise
     finally:

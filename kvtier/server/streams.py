@@ -79,7 +79,7 @@ class FrameReader:
             else:  # a whole frame prefix per fill (one event-loop round trip, not three)
                 self._left = memoryview(bytearray(min(max(n, _PREFIX_NBYTES), _STASH_NBYTES, self.receiver.available)))
                 if self._left:
-                    await self.clock.receive(self.receiver.fill(self._left), len(self._left))
+                    await self._fill(self._left)
         piece, self._left = self._left[:n], self._left[n:]
         return piece
 
@@ -111,7 +111,7 @@ class FrameReader:
         if offset < nbytes:
             if self.receiver.available < nbytes - offset:
                 raise error(web.HTTPBadRequest, f"frame {frame}: the body ends inside a block")
-            await self.clock.receive(self.receiver.fill(dst[offset:], digest), nbytes - offset)
+            await self._fill(dst[offset:], digest)
 
     async def drain(self) -> None:
         """Read the rest of a receiver's body and drop it (an error answered before the body
@@ -123,8 +123,11 @@ class FrameReader:
         self._left = memoryview(b"")
         scratch = memoryview(bytearray(min(256 << 10, self.receiver.available)))
         while self.receiver.available:
-            part = scratch[: min(len(scratch), self.receiver.available)]
-            await self.clock.receive(self.receiver.fill(part), len(part))
+            await self._fill(scratch[: min(len(scratch), self.receiver.available)])
+
+    async def _fill(self, view: memoryview, digest=None) -> None:
+        receiver = self.receiver
+        await self.clock.receive(receiver.fill(view, digest), len(view), receiver.landed)
 
     def close(self, consumed: bool) -> None:
         """The body is done with (``consumed``: read to its end): a receiver gives the
@@ -212,6 +215,11 @@ class BodyReceiver(asyncio.BufferedProtocol):
         transport.set_protocol(self)
         self.leftover = request.content.read_nowait(-1)  # what aiohttp buffered already
         self._pause()
+        # aiohttp cancels a request's body reads by an exception on ``request.content`` (its
+        # shutdown, the connection's loss): its fills must see it too
+        self._closed = False
+        self._watch = asyncio.ensure_future(request.content.wait_eof())
+        self._watch.add_done_callback(self._content_done)
 
     @classmethod
     def take(cls, request: web.Request, block_nbytes: int) -> "BodyReceiver | None":
@@ -231,6 +239,10 @@ class BodyReceiver(asyncio.BufferedProtocol):
         if remaining < RECEIVE_MIN_NBYTES or block_nbytes < RECEIVE_MIN_BLOCK_NBYTES:
             return None
         return cls(request, transport, remaining)
+
+    def landed(self) -> int:
+        """Bytes landed so far in the fill now waiting (0 when none waits)."""
+        return self._filled if self._waiter is not None else 0
 
     @property
     def available(self) -> int:
@@ -274,6 +286,9 @@ class BodyReceiver(asyncio.BufferedProtocol):
         which can destroy the reply before the client reads it: a client that pipelined its
         next request). Else the connection is reset."""
         self._target = self._digest = None
+        if not self._closed:
+            self._closed = True
+            self._watch.cancel()
         if self._lost or self._discard is not None:
             return
         self.request[CLOSE_AFTER] = True
@@ -344,6 +359,12 @@ class BodyReceiver(asyncio.BufferedProtocol):
         self._target = self._digest = None
         if waiter is not None and not waiter.done():
             waiter.set_exception(self._error)
+
+    def _content_done(self, watch: asyncio.Future) -> None:
+        if self._closed:
+            return
+        if watch.cancelled() or watch.exception() is not None:
+            self._fail(ConnectionResetError("the request's body reads were cancelled (shutdown, connection lost)"))
 
     def _fill_done(self, waiter: asyncio.Future) -> None:
         if waiter.cancelled() and self._waiter is waiter:  # the view is the caller's again

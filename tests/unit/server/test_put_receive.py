@@ -180,6 +180,53 @@ def test_an_error_before_the_body_ends_reaches_the_client_and_frees_every_slot(t
     client.close()
 
 
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+def test_a_client_that_stops_sending_is_cut_after_grace_not_after_its_block(thread_daemon, event_loop):
+    """A fill of a whole 1 MiB payload counts its bytes as they land: a client that sends a
+    frame's header and goes silent is reset ``grace_s`` after (0.5 s), as on aiohttp's path,
+    not ``grace_s + block / min_rate`` (4.5 s here: the hostile-client review's finding)."""
+    if event_loop == "uvloop":
+        pytest.importorskip("uvloop")
+    daemon = thread_daemon(disk_blocks=0, cpu_blocks=2 * PUT_BLOCKS, spec=BIG, event_loop=event_loop,
+                           max_block_bytes=BIG.block_nbytes, grace_s=0.5, min_rate_bytes_per_s=256 << 10)
+    client = RemoteTier(daemon.url, timeout_s=10.0)
+    client.register(NAMESPACE, BIG)
+    hs, blocks = hashes(PUT_BLOCKS, salt=7), random_blocks(BIG, PUT_BLOCKS, seed=7)
+    body = frames(NAMESPACE, hs, blocks)
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as sock:
+        sock.sendall((f"POST {ns_url(NAMESPACE, 'put')} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {FRAMES}\r\n"
+                      f"Content-Length: {len(body)}\r\n\r\n").encode() + body[: 1 + 32 + HEADER_NBYTES + 10])
+        start = time.monotonic()
+        with pytest.raises(ConnectionResetError):
+            while sock.recv(1 << 16):
+                pass
+        took = time.monotonic() - start
+    assert took < 2.5, took
+    store = daemon.app[REGISTRY].get("default", NAMESPACE).store
+    assert daemon.call(lambda: len(store.residency.pending())) == 0
+    assert client.put(NAMESPACE, hs, blocks) == [True] * PUT_BLOCKS
+    client.close()
+
+
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+def test_shutdown_does_not_wait_twice_for_a_stalled_receiver(thread_daemon, event_loop, receive_all):
+    """aiohttp's shutdown gives handlers ``shutdown_timeout_s`` (2 s), then cancels their body
+    reads: a put stalled inside a fill ends then, not a second timeout later."""
+    if event_loop == "uvloop":
+        pytest.importorskip("uvloop")
+    daemon = thread_daemon(disk_blocks=0, event_loop=event_loop, grace_s=60.0)
+    RemoteTier(daemon.url, timeout_s=10.0).register(NAMESPACE, SPEC)
+    body = frames(NAMESPACE, hashes(3), random_blocks(SPEC, 3, seed=35))
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as sock:
+        sock.sendall((f"POST {ns_url(NAMESPACE, 'put')} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {FRAMES}\r\n"
+                      f"Content-Length: {len(body)}\r\n\r\n").encode() + body[: FRAME_NBYTES + 300])
+        time.sleep(0.3)
+        start = time.monotonic()
+        daemon.stop()
+        took = time.monotonic() - start
+    assert took < 3.5, took  # 2 s of grace, then the cancel; 4 s before the fix
+
+
 @pytest.mark.parametrize("case", [c for c in BAD_INPUTS if c[2].endswith("/put")], ids=lambda c: c[0])
 async def test_bad_put_bodies_from_the_socket_are_4xx_with_a_message(make_api, case, receive_all):
     _, method, path, body, status = case
@@ -260,6 +307,17 @@ class _Inner:
 class _Content:
     def __init__(self, buffered: bytes) -> None:
         self.buffered, self.total_bytes, self.eof = buffered, len(buffered), False
+        self.watchers: list[asyncio.Future] = []
+
+    async def wait_eof(self) -> None:
+        if not self.eof:
+            self.watchers.append(asyncio.get_running_loop().create_future())
+            await self.watchers[-1]
+
+    def set_exception(self, exc: BaseException) -> None:  # what aiohttp's request._cancel does
+        for watcher in self.watchers:
+            if not watcher.done():
+                watcher.set_exception(exc)
 
     def read_nowait(self, n: int = -1) -> bytes:
         data, self.buffered = self.buffered, b""
@@ -273,6 +331,9 @@ class _Content:
 
     def feed_eof(self) -> None:
         self.eof = True
+        for watcher in self.watchers:
+            if not watcher.done():
+                watcher.set_result(None)
 
 
 class _Request(dict):
@@ -359,6 +420,19 @@ async def test_a_cancelled_fill_gets_no_byte_after_it(receive_all):
     assert request.transport.aborted and CLOSE_AFTER in request
 
 
+async def test_a_cancelled_request_fails_the_waiting_fill(receive_all):
+    """aiohttp's shutdown (and a lost connection) cancel a handler's body reads with an
+    exception on ``request.content``: a fill waiting on the socket fails at once."""
+    receiver, request = _receiver(bytes(4000))
+    fill = receiver.fill(memoryview(bytearray(3000)))
+    await asyncio.sleep(0)
+    request.content.set_exception(asyncio.CancelledError())
+    with pytest.raises(ConnectionResetError, match="cancelled"):
+        await asyncio.wait_for(fill, 1.0)
+    receiver.close(consumed=False)
+    assert request.transport.aborted
+
+
 async def test_eof_and_loss_fail_the_fill_and_reach_aiohttps_protocol(receive_all):
     for event in ("eof", "lost"):
         receiver, request = _receiver(bytes(4000))
@@ -380,7 +454,7 @@ async def test_eof_and_loss_fail_the_fill_and_reach_aiohttps_protocol(receive_al
     assert not request.transport.aborted and CLOSE_AFTER not in request
 
 
-def test_no_receiver_where_aiohttps_reads_stay():
+async def test_no_receiver_where_aiohttps_reads_stay():
     body = bytes(17 << 20)
     chunked = _Request(body, 0)
     chunked.headers["Transfer-Encoding"] = "chunked"
