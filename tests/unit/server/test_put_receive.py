@@ -23,8 +23,9 @@ from kvtier.tiers.remote import RemoteTier
 from kvtier.types import KVSpec
 from kvtier.wire import FRAMES, pack, spec_to_wire
 from tests.conftest import random_blocks
-from tests.unit.server.conftest import NAMESPACE, SPEC, frames, hashes, ns_url, register
-from tests.unit.server.test_api import BAD_INPUTS, get_blocks, lookup, payload, put_blocks
+from tests.unit.server.conftest import NAMESPACE, SPEC, frames, hashes, ns_url
+from tests.unit.server import test_api
+from tests.unit.server.test_api import BAD_INPUTS
 
 import torch
 
@@ -229,18 +230,8 @@ def test_shutdown_does_not_wait_twice_for_a_stalled_receiver(thread_daemon, even
 
 @pytest.mark.parametrize("case", [c for c in BAD_INPUTS if c[2].endswith("/put")], ids=lambda c: c[0])
 async def test_bad_put_bodies_from_the_socket_are_4xx_with_a_message(make_api, case, receive_all):
-    _, method, path, body, status = case
-    client = await make_api(max_batch_blocks=64)
-    await register(client)
-    hs, blocks = hashes(2), random_blocks(SPEC, 2, seed=10)
-    await put_blocks(client, hs, blocks)
-    response = await client.request(method, path, data=body)
-    assert response.status == status, await response.text()
-    assert (await response.json())["error"]
-    assert (await client.get("/healthz")).status == 200
-    assert [p for _, _, p in await get_blocks(client, hs)] == [payload(b) for b in blocks]
-    assert (await lookup(client, hs))["num_blocks"] == 2
-    client.server.app[REGISTRY].get("default", NAMESPACE).store.check_invariants()
+    """test_api's bad-input test, each put case read by the receiver (thresholds at 0)."""
+    await test_api.test_bad_input_is_4xx_with_a_message_and_the_daemon_keeps_serving(make_api, case)
 
 
 # -- the receiver on a fake transport -------------------------------------------------------------
