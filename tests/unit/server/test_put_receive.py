@@ -33,6 +33,7 @@ FRAME_NBYTES = 1 + 32 + HEADER_NBYTES + SPEC.block_nbytes
 BIG = KVSpec(num_layers=16, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.float16)  # 1 MiB blocks
 assert BIG.block_nbytes == streams.RECEIVE_MIN_BLOCK_NBYTES
 PUT_BLOCKS = streams.RECEIVE_MIN_NBYTES // BIG.block_nbytes + 1  # a put body the shipped thresholds receive
+LOOPS = [pytest.param("asyncio", marks=pytest.mark.slow), "uvloop"]  # the fast lane: the loop kvtier serves on
 
 
 @pytest.fixture
@@ -68,7 +69,7 @@ def _stored(reply: bytes) -> list[bool]:
 
 
 # -- through a daemon ------------------------------------------------------------------------------
-@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("event_loop", LOOPS)
 def test_a_body_cut_anywhere_lands_bit_exact_and_the_connection_closes(thread_daemon, event_loop, receive_all):
     if event_loop == "uvloop":
         pytest.importorskip("uvloop")
@@ -87,7 +88,7 @@ def test_a_body_cut_anywhere_lands_bit_exact_and_the_connection_closes(thread_da
 
 
 @pytest.mark.slow  # 17 MiB puts: the fast lane covers the receiver with small bodies (receive_all)
-@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("event_loop", LOOPS)
 def test_real_sized_puts_take_the_receiver_and_the_client_reconnects(thread_daemon, event_loop, monkeypatch):
     """Bodies over the shipped thresholds (17 blocks of 1 MiB): every put is received from the
     socket (its reply closes the connection) and RemoteTier's next call opens another."""
@@ -129,7 +130,7 @@ def test_a_small_put_keeps_aiohttps_reads_and_the_connection(thread_daemon):
     assert b"connection: close" not in reply.lower()
 
 
-@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("event_loop", LOOPS)
 def test_bytes_after_the_body_are_never_read_into_a_block(thread_daemon, event_loop, receive_all):
     if event_loop == "uvloop":
         pytest.importorskip("uvloop")
@@ -155,7 +156,7 @@ def test_bytes_after_the_body_are_never_read_into_a_block(thread_daemon, event_l
     client.close()
 
 
-@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("event_loop", LOOPS)
 def test_an_error_before_the_body_ends_reaches_the_client_and_frees_every_slot(thread_daemon, event_loop):
     """A real-sized body (shipped threshold) whose second frame names another namespace: the
     daemon reads the rest of the body, then the client gets the 400 and its message; the
@@ -181,7 +182,7 @@ def test_an_error_before_the_body_ends_reaches_the_client_and_frees_every_slot(t
     client.close()
 
 
-@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("event_loop", LOOPS)
 def test_a_client_that_stops_sending_is_cut_after_grace_not_after_its_block(thread_daemon, event_loop):
     """A fill of a whole 1 MiB payload counts its bytes as they land: a client that sends a
     frame's header and goes silent is reset ``grace_s`` after (0.5 s), as on aiohttp's path,
@@ -209,7 +210,8 @@ def test_a_client_that_stops_sending_is_cut_after_grace_not_after_its_block(thre
     client.close()
 
 
-@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+@pytest.mark.slow  # waits out shutdown_timeout_s (2 s)
+@pytest.mark.parametrize("event_loop", LOOPS)
 def test_shutdown_does_not_wait_twice_for_a_stalled_receiver(thread_daemon, event_loop, receive_all):
     """aiohttp's shutdown gives handlers ``shutdown_timeout_s`` (2 s), then cancels their body
     reads: a put stalled inside a fill ends then, not a second timeout later."""
