@@ -204,14 +204,18 @@ class MemoryRemote(_MemoryRemote):
         return super().put(namespace, block_hashes, blocks, fingerprints)
 
 
-@pytest.fixture(params=["aiohttp reads", "receiver"])
-def put_reads(request, monkeypatch) -> str:
-    """A put body read through aiohttp (``"aiohttp reads"``) or received straight from the
-    socket for every body size (``"receiver"``: kvtier.server.streams.BodyReceiver, whose
-    threshold the test blocks are far below). In-process daemons only (make_api,
-    thread_daemon, secure_daemon)."""
+def receive_puts(monkeypatch, every: bool) -> None:
+    """Every put body, whatever its size and block size, received straight from the socket
+    (``every``: kvtier.server.streams.BodyReceiver), or none (aiohttp's reads). In-process
+    daemons only (make_api, thread_daemon, secure_daemon)."""
     from kvtier.server import streams
 
-    monkeypatch.setattr(streams, "RECEIVE_MIN_NBYTES", 0 if request.param == "receiver" else 1 << 62)
+    monkeypatch.setattr(streams, "RECEIVE_MIN_NBYTES", 0 if every else 1 << 62)
     monkeypatch.setattr(streams, "RECEIVE_MIN_BLOCK_NBYTES", 0)
+
+
+@pytest.fixture(params=["aiohttp reads", "receiver"])
+def put_reads(request, monkeypatch) -> str:
+    """Each put body read through aiohttp, then received from the socket (:func:`receive_puts`)."""
+    receive_puts(monkeypatch, request.param == "receiver")
     return request.param

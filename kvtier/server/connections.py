@@ -209,10 +209,9 @@ class BodyClock:
             start = time.monotonic()
             try:
                 while not fill.done():
-                    allowed = (self.grace_s + (self.nbytes + landed()) / self.rate - self.waited_s
-                               - (time.monotonic() - start))
+                    allowed = self._allowed(landed()) - (time.monotonic() - start)
                     if allowed <= 0:
-                        raise Expired(f"slower than {self.rate} bytes/s after {self.grace_s:g} s of grace")
+                        raise self._expired()
                     await asyncio.wait((fill,), timeout=allowed)
             finally:
                 self.waited_s += time.monotonic() - start
@@ -223,8 +222,16 @@ class BodyClock:
         fill.result()
         self.nbytes += nbytes
 
+    def _allowed(self, ahead: int) -> float:
+        """Seconds the next wait may take: ``grace_s`` plus the allowance of the bytes moved
+        and ``ahead`` (counted before they move), less the time waited so far."""
+        return self.grace_s + (self.nbytes + ahead) / self.rate - self.waited_s
+
+    def _expired(self) -> "Expired":
+        return Expired(f"slower than {self.rate} bytes/s after {self.grace_s:g} s of grace")
+
     async def _wait(self, awaitable, ahead: int):
-        allowed = self.grace_s + (self.nbytes + ahead) / self.rate - self.waited_s
+        allowed = self._allowed(ahead)
         start = time.monotonic()
         try:
             if allowed <= 0:
@@ -236,7 +243,7 @@ class BodyClock:
         except asyncio.TimeoutError:
             if asyncio.iscoroutine(awaitable):
                 awaitable.close()
-            raise Expired(f"slower than {self.rate} bytes/s after {self.grace_s:g} s of grace") from None
+            raise self._expired() from None
         finally:
             self.waited_s += time.monotonic() - start
 

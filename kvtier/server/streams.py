@@ -10,11 +10,10 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from kvtier.records import HEADER_NBYTES
 from kvtier.server.connections import BodyClock, reset
 from kvtier.server.errors import error
 from kvtier.types import BlockHash
-from kvtier.wire import frame_prefix
+from kvtier.wire import frame_nbytes, frame_prefix
 
 
 def holds_buffers(transport: asyncio.BaseTransport | None) -> bool:
@@ -71,13 +70,14 @@ class FrameReader:
 
     async def piece(self, n: int) -> memoryview:
         """The next 1 to ``n`` bytes of the body (a view of a received chunk, no copy;
-        from a receiver: a fill of at least a frame prefix's bytes, at most 64 KiB, whose
-        rest waits for the next read); empty at its end."""
+        from a receiver: a fill of at least a frame prefix's bytes, whose rest waits for the
+        next read; ``n`` is a frame's prefix field there, payloads go through
+        :meth:`readinto`); empty at its end."""
         if not self._left:
             if self.receiver is None:
                 self._left = memoryview(await self.clock.read(next_chunk(self.content)))
             else:  # a whole frame prefix per fill (one event-loop round trip, not three)
-                self._left = memoryview(bytearray(min(max(n, _PREFIX_NBYTES), _STASH_NBYTES, self.receiver.available)))
+                self._left = memoryview(bytearray(min(max(n, _PREFIX_NBYTES), self.receiver.available)))
                 if self._left:
                     await self._fill(self._left)
         piece, self._left = self._left[:n], self._left[n:]
@@ -99,7 +99,13 @@ class FrameReader:
 
     async def readinto(self, dst: memoryview, digest, frame: int) -> None:
         """The body's next ``len(dst)`` bytes into ``dst`` (writable, format ``B``), fed to
-        ``digest`` (a running hash) as they come. Raises a 400 when the body ends first."""
+        ``digest`` (a running hash with ``update``) as they come.
+
+        Raises:
+            web.HTTPBadRequest: the body ends first.
+            kvtier.server.connections.Expired: slower than the BodyClock allows.
+            ConnectionResetError: the client went away or ended its side (receiver).
+        """
         offset, nbytes = 0, len(dst)
         while offset < nbytes and (self._left or self.receiver is None):
             piece = await self.piece(nbytes - offset)
@@ -162,12 +168,12 @@ of at least :data:`RECEIVE_MIN_BLOCK_NBYTES`, is received straight into its dest
 (:class:`BodyReceiver`) and its connection closed after the reply; others keep aiohttp's reads
 and keep-alive. Where it was measured faster (issue 17, bench/results/2026-12-03-receive,
 2 vCPUs, uvloop, three runs): 1-4 MiB blocks in 16-32 MiB bodies at 1.03-1.37x aiohttp's GB/s
-(one run of 16 x 1 MiB: 0.99x) and 0.50-0.78x its daemon CPU per GB; smaller bodies lose to the
+and 0.50-0.78x its daemon CPU per GB (one run of 16 x 1 MiB even: 0.99x, CPU 1.00x); smaller bodies lose to the
 reconnect each put costs (one 2 MiB block: 0.67-0.80x), 256 KiB blocks to the round trip each
-frame costs (0.75-0.97x)."""
+frame costs (0.75-0.96x)."""
 
-_STASH_NBYTES = 64 << 10
-_PREFIX_NBYTES = 1 + 32 + HEADER_NBYTES  # a put frame up to its payload (kvtier.wire.frame_prefix)
+_DISCARD_NBYTES = 64 << 10  # one read's buffer for what comes after the body
+_PREFIX_NBYTES = frame_nbytes(bytes(32), 0)  # a put frame up to its payload: 161 bytes
 
 
 class BodyReceiver(asyncio.BufferedProtocol):
@@ -228,17 +234,16 @@ class BodyReceiver(asyncio.BufferedProtocol):
         fewer than :data:`RECEIVE_MIN_NBYTES` left, blocks under
         :data:`RECEIVE_MIN_BLOCK_NBYTES`, TLS, a transport already closing or handed to
         another protocol."""
-        transport, content = request.transport, request.content
-        length = request.content_length
-        if transport is None or length is None or transport.is_closing() or content.at_eof() \
+        transport, content, length = request.transport, request.content, request.content_length
+        if length is None or block_nbytes < RECEIVE_MIN_BLOCK_NBYTES \
+                or length - content.total_bytes < RECEIVE_MIN_NBYTES:  # most puts: aiohttp's reads
+            return None
+        if transport is None or transport.is_closing() or content.at_eof() \
                 or transport.get_extra_info("sslcontext") is not None \
                 or transport.get_protocol() is not request.protocol or not hasattr(transport, "set_protocol") \
                 or content.exception() is not None or "chunked" in request.headers.get("Transfer-Encoding", "").lower():
             return None
-        remaining = length - content.total_bytes
-        if remaining < RECEIVE_MIN_NBYTES or block_nbytes < RECEIVE_MIN_BLOCK_NBYTES:
-            return None
-        return cls(request, transport, remaining)
+        return cls(request, transport, length - content.total_bytes)
 
     def landed(self) -> int:
         """Bytes landed so far in the fill now waiting (0 when none waits)."""
@@ -254,7 +259,12 @@ class BodyReceiver(asyncio.BufferedProtocol):
         bytes) holds the body's next ``len(view)`` bytes, each fed to ``digest`` (a running
         hash with ``update``) as it landed. Fails with ``ConnectionResetError`` when the
         connection closes or the client ends its side first. Cancelling the future gives
-        ``view`` back: no byte is written into it afterwards."""
+        ``view`` back: no byte is written into it afterwards.
+
+        Raises:
+            RuntimeError: another fill is still waiting (one at a time).
+            ValueError: ``view`` reaches past the body's end.
+        """
         if self._waiter is not None and not self._waiter.done():
             raise RuntimeError("a fill is already waiting")
         if len(view) > self.available:
@@ -295,7 +305,7 @@ class BodyReceiver(asyncio.BufferedProtocol):
         self.inner.close()  # aiohttp closes the connection once the reply is sent
         if consumed and not self.available:
             self.request.content.feed_eof()
-            self._discard = memoryview(bytearray(_STASH_NBYTES))
+            self._discard = memoryview(bytearray(_DISCARD_NBYTES))
             self._resume()
         else:
             reset(self.transport)

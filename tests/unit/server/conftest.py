@@ -54,6 +54,13 @@ def ns_url(namespace: bytes = NAMESPACE, op: str = "") -> str:
     return f"/v1/namespaces/{namespace.hex()}" + (f"/{op}" if op else "")
 
 
+def put_head(body_nbytes: int, namespace: bytes = NAMESPACE) -> bytes:
+    """The request line and headers of a put of ``body_nbytes`` body bytes, for a client
+    writing to a raw socket."""
+    return (f"POST {ns_url(namespace, 'put')} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {FRAMES}\r\n"
+            f"Content-Length: {body_nbytes}\r\n\r\n").encode()
+
+
 def hashes(n: int, salt: int = 0, size: int = 32) -> list[bytes]:
     return [hashlib.sha256(f"{salt}/{i}".encode()).digest()[:size] for i in range(n)]
 

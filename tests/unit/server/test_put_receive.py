@@ -15,21 +15,20 @@ import msgpack
 import pytest
 import xxhash
 
-from kvtier.records import HEADER_NBYTES
 from kvtier.server import streams
 from kvtier.server.app import REGISTRY
 from kvtier.server.streams import _PREFIX_NBYTES, CLOSE_AFTER, BodyReceiver
 from kvtier.tiers.remote import RemoteTier
 from kvtier.types import KVSpec
-from kvtier.wire import FRAMES, pack, spec_to_wire
-from tests.conftest import random_blocks
-from tests.unit.server.conftest import NAMESPACE, SPEC, frames, hashes, ns_url
+from kvtier.wire import frame_nbytes, pack, spec_to_wire
+from tests.conftest import random_blocks, receive_puts
+from tests.unit.server.conftest import NAMESPACE, SPEC, frames, hashes, ns_url, put_head
 from tests.unit.server import test_api
 from tests.unit.server.test_api import BAD_INPUTS
 
 import torch
 
-FRAME_NBYTES = 1 + 32 + HEADER_NBYTES + SPEC.block_nbytes
+FRAME_NBYTES = frame_nbytes(bytes(32), SPEC.block_nbytes)
 BIG = KVSpec(num_layers=16, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.float16)  # 1 MiB blocks
 assert BIG.block_nbytes == streams.RECEIVE_MIN_BLOCK_NBYTES
 PUT_BLOCKS = streams.RECEIVE_MIN_NBYTES // BIG.block_nbytes + 1  # a put body the shipped thresholds receive
@@ -38,16 +37,14 @@ LOOPS = [pytest.param("asyncio", marks=pytest.mark.slow), "uvloop"]  # the fast 
 
 @pytest.fixture
 def receive_all(monkeypatch):
-    monkeypatch.setattr(streams, "RECEIVE_MIN_NBYTES", 0)
-    monkeypatch.setattr(streams, "RECEIVE_MIN_BLOCK_NBYTES", 0)
+    receive_puts(monkeypatch, every=True)
 
 
 def _raw_put(port: int, body: bytes, parts: list[int], pause_s: float = 0.02, after: bytes = b"") -> bytes:
     """POST ``body`` over one socket, cut after each offset of ``parts`` with a pause (so the
     daemon waits inside a fill), then ``after``; the whole reply."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall((f"POST {ns_url(NAMESPACE, 'put')} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {FRAMES}\r\n"
-                      f"Content-Length: {len(body)}\r\n\r\n").encode())
+        sock.sendall(put_head(len(body)))
         start = 0
         for end in [*parts, len(body)]:
             time.sleep(pause_s)
@@ -120,8 +117,7 @@ def test_a_small_put_keeps_aiohttps_reads_and_the_connection(thread_daemon):
         sock.sendall((f"PUT {ns_url(NAMESPACE)} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/msgpack\r\n"
                       f"Content-Length: {len(spec_body)}\r\n\r\n").encode() + spec_body)
         body = frames(NAMESPACE, hs, blocks)
-        sock.sendall((f"POST {ns_url(NAMESPACE, 'put')} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {FRAMES}\r\n"
-                      f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
+        sock.sendall(put_head(len(body)) + body)
         reply = b""
         while reply.count(b"HTTP/1.1 ") < 2 or not reply.endswith(b"\xc3\xc3"):  # {"stored": [True, True]}
             chunk = sock.recv(1 << 16)
@@ -196,8 +192,7 @@ def test_a_client_that_stops_sending_is_cut_after_grace_not_after_its_block(thre
     hs, blocks = hashes(PUT_BLOCKS, salt=7), random_blocks(BIG, PUT_BLOCKS, seed=7)
     body = frames(NAMESPACE, hs, blocks)
     with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as sock:
-        sock.sendall((f"POST {ns_url(NAMESPACE, 'put')} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {FRAMES}\r\n"
-                      f"Content-Length: {len(body)}\r\n\r\n").encode() + body[: 1 + 32 + HEADER_NBYTES + 10])
+        sock.sendall(put_head(len(body)) + body[: _PREFIX_NBYTES + 10])
         start = time.monotonic()
         with pytest.raises(ConnectionResetError):
             while sock.recv(1 << 16):
@@ -221,8 +216,7 @@ def test_shutdown_does_not_wait_twice_for_a_stalled_receiver(thread_daemon, even
     RemoteTier(daemon.url, timeout_s=10.0).register(NAMESPACE, SPEC)
     body = frames(NAMESPACE, hashes(3), random_blocks(SPEC, 3, seed=35))
     with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as sock:
-        sock.sendall((f"POST {ns_url(NAMESPACE, 'put')} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {FRAMES}\r\n"
-                      f"Content-Length: {len(body)}\r\n\r\n").encode() + body[: FRAME_NBYTES + 300])
+        sock.sendall(put_head(len(body)) + body[: FRAME_NBYTES + 300])
         time.sleep(0.3)
         start = time.monotonic()
         daemon.stop()
