@@ -253,7 +253,7 @@ def _oversized_header(nbytes: int) -> bytes:
     return encode_header(NAMESPACE, torch.zeros(nbytes, dtype=torch.uint8))
 
 
-async def test_s1_block_of_exactly_max_bytes_is_stored_one_more_is_413(make_api):
+async def test_s1_block_of_exactly_max_bytes_is_stored_one_more_is_413(make_api, put_reads):  # the receiver's path too
     client = await make_api(max_block_bytes=SPEC.block_nbytes)  # M = 512
     await register(client)
     h = hashes(1)
@@ -295,7 +295,7 @@ async def test_s1_chunked_oversized_block_is_refused_before_its_payload_is_sent(
     assert (await client.get("/healthz")).status == 200
 
 
-async def test_s1_content_length_over_the_batch_limit_is_refused_unread(make_api):
+async def test_s1_content_length_over_the_batch_limit_is_refused_unread(make_api, put_reads):  # the receiver's path too
     client = await make_api(max_block_bytes=SPEC.block_nbytes, max_batch_blocks=2)
     await register(client)
     three = frames(NAMESPACE, hashes(3), random_blocks(SPEC, 3))
