@@ -118,6 +118,27 @@ def test_corrupt_record_is_reported_and_dropped_regression_d1(tmp_path, damage):
     tier.close()
 
 
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_block_over_several_read_pieces_is_verified_in_every_piece(tmp_path, monkeypatch, where):
+    # read_into hashes and copies a payload in pieces of records._READ_CHUNK_NBYTES: a payload of
+    # 2.5 pieces round-trips exactly, and a flipped byte in any piece (the last one short) is CORRUPT
+    import kvtier.records as records
+
+    monkeypatch.setattr(records, "_READ_CHUNK_NBYTES", 4096)
+    (h,), (b,) = hashes(1), blocks(1, shape=(2, 2, 4, 40, 8))  # 10240 bytes: pieces of 4096, 4096, 2048
+    tier = DiskTier(tmp_path, 1 << 20)
+    tier.write_batch([(h, NS, b)])
+    out = torch.full_like(b, 7)
+    assert tier.read_into(h, NS, out) is ReadStatus.OK and torch.equal(out.view(torch.uint8), b.view(torch.uint8))
+    offset = {"first": 0, "middle": 4096 + 17, "last": 10239}[where]
+    with tier.env.begin(write=True) as txn:
+        value = bytearray(txn.get(h))
+        value[HEADER_NBYTES + offset] ^= 0x40
+        txn.put(h, bytes(value))
+    assert tier.read_into(h, NS, torch.full_like(b, 7)) is ReadStatus.CORRUPT
+    tier.close()
+
+
 def test_wrong_namespace_shape_or_dtype_is_not_served(tmp_path):
     tier = DiskTier(tmp_path, 1 << 20)
     hs, data = hashes(3), blocks(3)
