@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kvtier.kernels.host_copy import copy_into
 from kvtier.types import DTYPE_NAMES, DTYPES_BY_NAME, NO_FINGERPRINT
 
 _MAGIC = b"KVTB"
@@ -47,7 +48,8 @@ _CHUNK_NBYTES = 512 << 10  # encode_record's copy+hash granularity (into its own
 # so the hash reads the destination from cache
 _READ_CHUNK_NBYTES = 4 << 20
 """decode_into's granularity: each piece of the payload is hashed where it lies in LMDB's map,
-then copied by one numpy ``copyto`` from cache. Pieces of up to 4 MiB (within L3), not the
+then copied from cache (:func:`kvtier.kernels.host_copy.copy_into`: streaming stores; one numpy
+``copyto`` without the compiled kernels). Pieces of up to 4 MiB (within L3), not the
 512 KiB pieces copied first and hashed from the destination as before: glibc's ``memmove``
 uses ``rep movsb`` for copies from 8 KiB up to the L2 size on AMD cores (glibc 2.33+,
 ``rep_movsb_stop_threshold``), and from a file mapping's 4 KiB pages that ran at 7 GB/s where
@@ -224,7 +226,9 @@ def decode_into(value: memoryview, namespace: bytes, out: torch.Tensor, fingerpr
         for start in range(0, record.payload_nbytes, _READ_CHUNK_NBYTES):
             piece = src[start : start + _READ_CHUNK_NBYTES]
             digest.update(piece)  # brings the piece into cache for its copy: memory is read once
-            np.copyto(dst[start : start + _READ_CHUNK_NBYTES], piece)
+            into = dst[start : start + _READ_CHUNK_NBYTES]
+            if not copy_into(into, piece):  # streaming stores (kvtier.kernels.host_copy), else numpy
+                np.copyto(into, piece)
     return check_record(record, digest.intdigest(), fingerprint)
 
 
@@ -243,13 +247,16 @@ def check_record(record: RecordHeader, checksum: int, fingerprint: bytes | None)
 def decode_into_view(value: memoryview, namespace: bytes, out: torch.Tensor, fingerprint: bytes | None = None) -> ReadStatus:
     """:func:`decode_into` into a destination of any strides (a block's place in a larger
     buffer): the whole payload is hashed where it lies in ``value`` (bringing it into cache:
-    a block of SmolLM2-135M is 720 KiB, within L3), then copied from there into ``out`` by one
-    strided numpy ``copyto``, so the bytes delivered are the bytes hashed and memory is read
-    once from DRAM. Per block rather than in L2-sized chunks (512 KiB, one hash and one copy
-    per chunk, as before): ``before_prefill`` of a 1-4k token DISK hit 0.1-0.2x of a copy
-    faster, 11 of 12 same-process pairs (bench/results/2026-12-02-disk-5). numpy's ``copyto``
-    rather than ``Tensor.copy_`` for the strided copy: 1.35-1.59x vs 1.68-2.36x of one
-    contiguous copy with the hash (bench/results/2026-12-02-hit-3/micro/disk_read.py).
+    a block of SmolLM2-135M is 720 KiB, within L3), then copied from there into ``out`` row by
+    row with streaming stores (:func:`kvtier.kernels.host_copy.copy_into`; without the compiled
+    kernels, or for a place that is not evenly spaced rows, one strided numpy ``copyto``), so
+    the bytes delivered are the bytes hashed and memory is read once from DRAM. Per block
+    rather than in L2-sized chunks (512 KiB, one hash and one copy per chunk, as before):
+    ``before_prefill`` of a 1-4k token DISK hit 0.1-0.2x of a copy faster, 11 of 12
+    same-process pairs (bench/results/2026-12-02-disk-5). The numpy fallback rather than
+    ``Tensor.copy_`` for the strided copy: 1.35-1.59x vs 1.68-2.36x of one contiguous copy
+    with the hash (bench/results/2026-12-02-hit-3/micro/disk_read.py); the streaming copy with
+    the hash 0.95x (bench/results/2026-12-03-nt-gather).
 
     Args:
         value, namespace, fingerprint: as for :func:`decode_into` (``value`` must not
@@ -268,5 +275,6 @@ def decode_into_view(value: memoryview, namespace: bytes, out: torch.Tensor, fin
         src = np.frombuffer(value, dtype=np.uint8, offset=HEADER_NBYTES)
         dst = out.view(torch.uint8).numpy()  # the last dimension in bytes: same strides otherwise
         digest.update(src)
-        np.copyto(dst, src.reshape(dst.shape))
+        if not copy_into(dst, src):  # rows of one block's place, streaming stores (kernels.host_copy)
+            np.copyto(dst, src.reshape(dst.shape))
     return check_record(record, digest.intdigest(), fingerprint)

@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from kvtier.kernels import gather_blocks_to_contiguous, scatter_contiguous_to_blocks, use_triton
+from kvtier.kernels import gather_blocks_to_contiguous, host_copy, scatter_contiguous_to_blocks, use_triton
 from kvtier.tiers.host_memory import host_empty
 from kvtier.types import KVSpec, LayerGroup
 
@@ -348,13 +348,15 @@ def gather_into(spec: KVSpec, pool: torch.Tensor, out: torch.Tensor, block_ids: 
     elements, a token-major one runs of ``head_dim`` (1.3-1.7x the time of a plain copy of
     the same bytes here, vs 1.0-1.4x: the head-major layout's reason).
 
-    Each block is one numpy ``copyto`` from its slot (read in order) into its strided place
-    in ``out``, on byte views (any dtype, bfloat16 included): 0.84-1.16x the time of one
-    ``Tensor.copy_`` of the same bytes between contiguous tensors for 1-4k tokens of
-    SmolLM2-135M, vs 0.96-1.70x for one ``copy_`` of the whole permuted run and
-    1.12-1.90x for one numpy ``copyto`` of it (same run:
-    bench/results/2026-12-02-hit-3/micro/gather.py); a block's copy costs a few microseconds
-    of Python.
+    Head-major: every block in one call of :func:`kvtier.kernels.host_copy.gather_blocks`
+    (compiled C, streaming stores: the destination lines are not read first), each slot read
+    in order; 0.6-0.7x of one ``Tensor.copy_`` of the same bytes where numpy's per-block copies
+    took 1.3-1.45x on the 2026-12-03 VM (bench/results/2026-12-03-nt-gather). Without the
+    compiled kernels (no C compiler, ``KVTIER_HOST_KERNELS=off``) and for a token-major pool,
+    each block is one numpy ``copyto`` from its slot into its strided place in ``out``, on
+    byte views (any dtype, bfloat16 included): 0.84-1.16x of that copy on the 2026-12-02 VM,
+    vs 0.96-1.70x for one ``copy_`` of the whole permuted run and 1.12-1.90x for one numpy
+    ``copyto`` of it (bench/results/2026-12-02-hit-3/micro/gather.py).
 
     Args:
         spec: a uniform spec: ``pool`` is ``[num_blocks, *spec.block_shape]``.
@@ -373,6 +375,8 @@ def gather_into(spec: KVSpec, pool: torch.Tensor, out: torch.Tensor, block_ids: 
         rows = layers * 2 * heads
         blocks = out.view(torch.uint8).numpy().reshape(rows, tokens // spec.block_size, spec.block_size * nbytes)
         slots = pool.view(torch.uint8).numpy().reshape(pool.shape[0], rows, spec.block_size * nbytes)
+        if host_copy.gather_blocks(blocks, slots, block_ids, indices):  # streaming stores, one call
+            return
         for slot, index in zip(block_ids, indices):
             copyto(blocks[:, index], slots[slot])
         return

@@ -36,3 +36,11 @@ def test_triton_is_required_only_where_it_has_wheels(system: str, machine: str, 
 
 def test_every_other_dependency_applies_everywhere() -> None:
     assert [r.name for r in _requirements() if r.marker is not None] == ["triton"]
+
+
+def test_the_host_copy_kernels_source_ships_in_the_package() -> None:
+    # kvtier.kernels.host_copy compiles host_copy.c on first use: a wheel must carry it
+    tomllib = pytest.importorskip("tomllib")
+    data = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert "*.c" in data["kvtier.kernels"]
+    assert (REPO_ROOT / "kernels" / "host_copy.c").is_file()

@@ -1,0 +1,83 @@
+/* Strided copies between host buffers with non-temporal stores: kvtier's CPU gather of a hit's
+ * blocks into a transformers cache and its DISK reads into one (kvtier.kernels.host_copy, which
+ * compiles this file with the system's C compiler on first use and loads it with ctypes).
+ *
+ * Why: a hit moves tens to hundreds of MiB, far past the caches, in pieces of a few KiB (one
+ * head's block_size x head_dim per row). Ordinary stores first read every destination line
+ * into the cache (a read for ownership), then write it back: three memory passes per byte
+ * moved. SSE2 streaming stores (MOVNTDQ) write whole lines straight to memory: two passes.
+ * glibc's memcpy streams only copies larger than its non-temporal threshold (a fraction of
+ * the L3 size), which pieces of 4 KiB never are (bench/results/2026-12-03-nt-gather).
+ *
+ * Every function trusts its pointers and sizes: the Python wrapper checks them first. */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
+#define KVT_STREAMING 1
+#else
+#define KVT_STREAMING 0
+#endif
+
+int kvt_streaming(void) { return KVT_STREAMING; }
+
+static void copy_piece(char *dst, const char *src, int64_t n, int streaming) {
+#if KVT_STREAMING
+    if (streaming && n >= 64) {
+        int64_t head = (int64_t)((16 - ((uintptr_t)dst & 15)) & 15); /* to a 16-byte boundary */
+        memcpy(dst, src, (size_t)head);
+        dst += head;
+        src += head;
+        n -= head;
+        int64_t i = 0;
+        for (; i + 64 <= n; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+            _mm_stream_si128((__m128i *)(dst + i), a);
+            _mm_stream_si128((__m128i *)(dst + i + 16), b);
+            _mm_stream_si128((__m128i *)(dst + i + 32), c);
+            _mm_stream_si128((__m128i *)(dst + i + 48), d);
+        }
+        for (; i + 16 <= n; i += 16)
+            _mm_stream_si128((__m128i *)(dst + i), _mm_loadu_si128((const __m128i *)(src + i)));
+        memcpy(dst + i, src + i, (size_t)(n - i));
+        return;
+    }
+#endif
+    memcpy(dst, src, (size_t)n);
+}
+
+static void fence(int streaming) {
+#if KVT_STREAMING
+    if (streaming)
+        _mm_sfence(); /* streaming stores are weakly ordered: visible to every thread after this */
+#else
+    (void)streaming;
+#endif
+}
+
+/* rows x row_nbytes bytes: row r from src + r * src_stride to dst + r * dst_stride. */
+void kvt_copy_rows(char *dst, int64_t dst_stride, const char *src, int64_t src_stride, int64_t rows,
+                   int64_t row_nbytes, int streaming) {
+    for (int64_t r = 0; r < rows; r++)
+        copy_piece(dst + r * dst_stride, src + r * src_stride, row_nbytes, streaming);
+    fence(streaming);
+}
+
+/* For each of num_blocks blocks: slot slots[b] of pool (rows pieces of piece_nbytes,
+ * contiguous, slot_nbytes apart) to position positions[b] of out (piece p of row r at
+ * out + r * out_row_stride + p * piece_nbytes). Blocks in order, each slot read in order. */
+void kvt_gather_blocks(char *out, int64_t out_row_stride, const char *pool, int64_t slot_nbytes,
+                       const int64_t *slots, const int64_t *positions, int64_t num_blocks, int64_t rows,
+                       int64_t piece_nbytes, int streaming) {
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const char *src = pool + slots[b] * slot_nbytes;
+        char *dst = out + positions[b] * piece_nbytes;
+        for (int64_t r = 0; r < rows; r++)
+            copy_piece(dst + r * out_row_stride, src + r * piece_nbytes, piece_nbytes, streaming);
+    }
+    fence(streaming);
+}

@@ -1,0 +1,265 @@
+"""Host (CPU) copies with streaming stores: a hit's gather into a transformers cache and a DISK
+record's payload into its destination, compiled from ``host_copy.c`` on first use.
+
+Why: a CPU hit copies a prefix's blocks (tens to hundreds of MiB, past every cache) from pool
+slots into per-layer K/V tensors, in pieces of one head's ``block_size x head_dim`` (4 KiB
+for SmolLM2-135M in fp32). With ordinary stores each destination line is first read into the
+cache (a read for ownership), then written back: three memory passes per byte. Streaming
+stores (SSE2 ``MOVNTDQ``) write whole lines to memory: two. glibc's ``memcpy`` streams only
+copies past its non-temporal threshold (a fraction of the L3 size: pieces of 4 KiB never are;
+on the test VM, whose hypervisor reports a 320 MiB L3, not even one copy of 45 MiB), and
+numpy and torch copy through it or through ordinary vector stores. Measured on the 2-core test
+VM (AMD EPYC, 2026-12-03, bench/results/2026-12-03-nt-gather): 64 blocks of 720 KiB gathered
+into their places in 4 KiB pieces take 1.29x a ``memcpy`` of the same 45 MiB with memcpy
+per piece, 0.62x with streaming stores (in C, both); 256 blocks 1.38x vs 0.70x. LMCache's
+CPU kernels (``lmcache.c_ops``) and vLLM's ``swap_blocks`` are compiled extensions for the
+same reason; kvtier compiles its ~80 lines of C with the system's C compiler the first time a
+process needs them (as torch.compile's CPU backend and Triton's launchers do), caches the
+library under ``$XDG_CACHE_HOME/kvtier/kernels`` (``~/.cache/kvtier/kernels``), and loads it
+with ctypes (which releases the GIL for the call: the copies of the DISK reads' I/O threads
+run in parallel).
+
+Without a C compiler, on a machine other than x86-64 (plain ``memcpy`` there: the C file
+compiles without streaming stores), or with ``KVTIER_HOST_KERNELS=off``, every function
+returns ``False`` and the caller copies with numpy as before: the same bytes, slower.
+
+Streaming stores leave the destination out of the cache: right for a copy larger than the
+caches or one whose reader comes later (a DISK read into a pool slot, gathered by a later
+hit), wrong for a small one whose reader follows at once. Copy calls of fewer than
+:data:`STREAMING_MIN_NBYTES` use ordinary stores (``memcpy``) in the same loops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sysconfig
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+ENV = "KVTIER_HOST_KERNELS"
+"""``off`` disables the compiled copies (numpy copies everywhere); anything else, or unset: on
+where they compile."""
+
+CACHE_ENV = "KVTIER_KERNEL_CACHE"
+"""Directory for the compiled library (default ``$XDG_CACHE_HOME/kvtier/kernels``, else
+``~/.cache/kvtier/kernels``)."""
+
+STREAMING_MIN_NBYTES = 256 << 10
+"""A copy call of at least this many bytes uses streaming stores; a smaller one ``memcpy``
+(its destination stays in cache for a reader that follows)."""
+
+_SOURCE = Path(__file__).with_name("host_copy.c")
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_loaded = False
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled copies, compiling them on the first call (``None``, logged once, when
+    they cannot be built or loaded, or :data:`ENV` is ``off``). Thread-safe."""
+    global _library, _loaded
+    if _loaded:
+        return _library
+    with _lock:
+        if not _loaded:
+            _library = _load()
+            _loaded = True
+    return _library
+
+
+def available() -> bool:
+    """Whether :func:`gather_blocks` and :func:`copy_into` copy (else they return ``False``)."""
+    return library() is not None
+
+
+def _load() -> ctypes.CDLL | None:
+    if os.environ.get(ENV, "").strip().lower() == "off":
+        logger.info("kvtier: host copy kernels off (%s=off): numpy copies", ENV)
+        return None
+    try:
+        path = _build()
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("kvtier: host copy kernels not built (%s): CPU hits and DISK reads use numpy copies "
+                       "(slower; bench/results/2026-12-03-nt-gather)", _short(exc))
+        return None
+    if path is None:
+        logger.info("kvtier: no C compiler found for the host copy kernels: numpy copies")
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        logger.warning("kvtier: host copy kernels not loaded (%s): numpy copies", _short(exc))
+        return None
+    lib.kvt_streaming.restype = ctypes.c_int
+    lib.kvt_streaming.argtypes = []
+    lib.kvt_copy_rows.restype = None
+    lib.kvt_copy_rows.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, ctypes.c_int]
+    lib.kvt_gather_blocks.restype = None
+    lib.kvt_gather_blocks.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]
+    return lib
+
+
+def _short(exc: BaseException) -> str:
+    text = getattr(exc, "stderr", None) or str(exc)
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return " ".join(str(text).split())[:300]
+
+
+def _compiler() -> list[str] | None:
+    """The C compiler command: ``$CC``, Python's own build compiler, ``cc``, ``gcc``, ``clang``
+    (the first whose program is on ``PATH``)."""
+    for candidate in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc", "gcc", "clang"):
+        words = shlex.split(candidate) if candidate else []
+        if words and shutil.which(words[0]):
+            return words
+    return None
+
+
+def cache_dir() -> Path:
+    """Where the compiled library is kept (:data:`CACHE_ENV`)."""
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvtier" / "kernels"
+
+
+def _build() -> Path | None:
+    """The library for this source, compiler and machine, compiled unless cached (``None``:
+    no compiler). Raises ``OSError`` / ``SubprocessError`` when the compile fails."""
+    compiler = _compiler()
+    if compiler is None:
+        return None
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(compiler).encode() + platform.machine().encode()).hexdigest()[:16]
+    directory = cache_dir()
+    path = directory / f"host_copy-{key}.so"
+    if path.is_file():
+        return path
+    directory.mkdir(parents=True, exist_ok=True)
+    partial = directory / f".host_copy-{key}.{os.getpid()}.{threading.get_ident()}.so"
+    try:
+        subprocess.run([*compiler, "-O2", "-shared", "-fPIC", "-o", str(partial), str(_SOURCE)],
+                       check=True, capture_output=True, timeout=120)
+        os.replace(partial, path)  # atomic: a concurrent build of the same key writes the same bytes
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
+
+
+def gather_blocks(out: np.ndarray, pool: np.ndarray, slots: Sequence[int], positions: Sequence[int]) -> bool:
+    """``out[:, positions[i]] = pool[slots[i]]`` for every ``i``, in order: a hit's blocks from
+    their pool slots to their places in a cache laid out head-major.
+
+    Args:
+        out: ``[rows, n, piece_nbytes]`` uint8, C-contiguous, writable (``rows`` =
+            ``num_layers * 2 * num_kv_heads``, ``n`` = the cache's tokens / ``block_size``,
+            ``piece_nbytes`` = ``block_size * head_dim * itemsize``).
+        pool: ``[num_slots, rows, piece_nbytes]`` uint8, C-contiguous.
+        slots, positions: ``[k]`` ints each, ``0 <= slot < num_slots``, ``0 <= position < n``.
+
+    Returns:
+        ``True`` when copied; ``False`` (nothing copied) when the kernels are unavailable.
+
+    Raises:
+        ValueError: shapes, dtypes, layout or an index out of range (checked before any
+            byte is written: the kernel itself trusts its arguments).
+    """
+    lib = library()
+    if lib is None:
+        return False
+    if out.dtype != np.uint8 or pool.dtype != np.uint8 or out.ndim != 3 or pool.ndim != 3:
+        raise ValueError(f"expected uint8 out [rows, n, piece] and pool [slots, rows, piece], got "
+                         f"{out.dtype} {out.shape} and {pool.dtype} {pool.shape}")
+    rows, n, piece = out.shape
+    if pool.shape[1:] != (rows, piece):
+        raise ValueError(f"expected pool [slots, {rows}, {piece}], got {pool.shape}")
+    if not (out.flags.c_contiguous and out.flags.writeable and pool.flags.c_contiguous):
+        raise ValueError("expected a C-contiguous writable out and a C-contiguous pool")
+    k = len(slots)
+    if len(positions) != k:
+        raise ValueError(f"expected one position per slot ({k}), got {len(positions)}")
+    if not k:
+        return True
+    if min(slots) < 0 or max(slots) >= pool.shape[0] or min(positions) < 0 or max(positions) >= n:
+        raise ValueError(f"expected slots in [0, {pool.shape[0]}) and positions in [0, {n}), got slots "
+                         f"{min(slots)}..{max(slots)}, positions {min(positions)}..{max(positions)}")
+    ids = np.array([slots, positions], dtype=np.int64)
+    streaming = int(k * rows * piece >= STREAMING_MIN_NBYTES)
+    lib.kvt_gather_blocks(out.ctypes.data, n * piece, pool.ctypes.data, rows * piece, ids[0].ctypes.data,
+                          ids[1].ctypes.data, k, rows, piece, streaming)
+    return True
+
+
+def row_layout(array: np.ndarray) -> tuple[int, int, int] | None:
+    """``(rows, row_nbytes, row_stride)`` of a uint8 array whose bytes are ``rows`` equally
+    spaced runs of ``row_nbytes`` contiguous bytes (a block's place in a larger buffer: its
+    leading dimensions collapse into one stride, its trailing ones are contiguous), ``None``
+    for any other layout."""
+    if array.dtype != np.uint8 or array.ndim == 0:
+        return None
+    shape, strides = array.shape, array.strides
+    # the contiguous tail: trailing dimensions each stride = the product of the ones after it
+    row_nbytes, axis = 1, array.ndim
+    while axis > 0 and (shape[axis - 1] == 1 or strides[axis - 1] == row_nbytes):
+        axis -= 1
+        row_nbytes *= shape[axis]
+    if axis == 0:
+        return 1, row_nbytes, row_nbytes
+    rows, row_stride = shape[axis - 1], strides[axis - 1]
+    for a in range(axis - 2, -1, -1):  # the leading ones must nest evenly into one stride
+        if shape[a] == 1:
+            continue
+        if strides[a] != rows * row_stride or row_stride <= 0:
+            return None
+        rows *= shape[a]
+    if rows > 1 and row_stride < row_nbytes:
+        return None  # overlapping rows: not a destination
+    return rows, row_nbytes, row_stride
+
+
+def copy_into(dst: np.ndarray, src: np.ndarray) -> bool:
+    """``dst[...] = src`` for a uint8 ``dst`` laid out as equally spaced contiguous rows
+    (:func:`row_layout`) and a C-contiguous uint8 ``src`` of as many bytes, in the
+    destination's order.
+
+    Returns:
+        ``True`` when copied; ``False`` (nothing copied) when the kernels are unavailable or
+        ``dst`` has another layout (the caller copies with numpy).
+
+    Raises:
+        ValueError: ``src`` is not C-contiguous uint8 of ``dst.size`` bytes, or ``dst`` is
+            not writable.
+    """
+    lib = library()
+    if lib is None:
+        return False
+    if src.dtype != np.uint8 or not src.flags.c_contiguous or src.size != dst.size:
+        raise ValueError(f"expected a C-contiguous uint8 source of {dst.size} bytes, got {src.dtype} "
+                         f"{src.shape} (contiguous: {src.flags.c_contiguous})")
+    if not dst.flags.writeable:
+        raise ValueError("expected a writable destination")
+    layout = row_layout(dst)
+    if layout is None:
+        return False
+    rows, row_nbytes, row_stride = layout
+    if not dst.size:
+        return True
+    streaming = int(dst.size >= STREAMING_MIN_NBYTES)
+    lib.kvt_copy_rows(dst.ctypes.data, row_stride, src.ctypes.data, row_nbytes, rows, row_nbytes, streaming)
+    return True

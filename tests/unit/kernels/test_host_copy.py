@@ -1,0 +1,188 @@
+"""kvtier.kernels.host_copy: the compiled host copies (streaming stores) give exactly numpy's
+bytes for every layout they accept, refuse bad indices before writing, and fall back (return
+``False``) when they cannot be built; the HF gather and the DISK reads give the same bytes
+either way."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.kernels import host_copy
+from kvtier.records import decode_into, decode_into_view, encode_record
+
+pytestmark = pytest.mark.skipif(not host_copy.available(), reason="no C compiler: the numpy fallback runs instead")
+
+
+@pytest.fixture(params=["streaming", "memcpy"])
+def streaming(request, monkeypatch):
+    """Both store paths of the kernel: streaming stores (threshold 0) and ``memcpy``."""
+    monkeypatch.setattr(host_copy, "STREAMING_MIN_NBYTES", 0 if request.param == "streaming" else 1 << 62)
+    return request.param
+
+
+@pytest.fixture
+def kernels_off(monkeypatch):
+    monkeypatch.setattr(host_copy, "_library", None)
+    monkeypatch.setattr(host_copy, "_loaded", True)
+
+
+def _bytes(shape, seed):
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+def _at(offset, shape):
+    """A C-contiguous zeroed uint8 array starting ``offset`` bytes past a 64-byte boundary."""
+    n = int(np.prod(shape))
+    base = np.zeros(n + 128, np.uint8)
+    start = (-base.ctypes.data) % 64 + offset
+    return base[start : start + n].reshape(shape)
+
+
+# piece sizes: under 64 bytes (memcpy only), odd, a 16-byte multiple, SmolLM2's 4 KiB plus a tail
+@pytest.mark.parametrize("piece", [24, 100, 4096, 4096 + 7])
+@pytest.mark.parametrize("offset", [0, 3, 16])
+def test_gather_blocks_equals_numpy_per_block(streaming, piece, offset):
+    rows, n, num_slots = 6, 9, 13
+    pool = _bytes((num_slots, rows, piece), piece + offset)
+    rng = np.random.default_rng(offset)
+    slots = [int(s) for s in rng.permutation(num_slots)[:7]]
+    positions = [int(p) for p in rng.permutation(n)[:7]]
+    out = _at(offset, (rows, n, piece))
+    expected = out.copy()
+    for s, p in zip(slots, positions):
+        expected[:, p] = pool[s]
+    assert host_copy.gather_blocks(out, pool, slots, positions) is True
+    assert np.array_equal(out, expected)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(slots=[0, 13]), dict(slots=[-1, 0]), dict(positions=[0, 9]), dict(positions=[-2, 0]),
+    dict(positions=[0]),
+])
+def test_gather_blocks_refuses_out_of_range_indices_before_writing(bad):
+    pool = _bytes((13, 4, 64), 0)
+    out = np.zeros((4, 9, 64), np.uint8)
+    args = dict(slots=[1, 2], positions=[3, 4]) | bad
+    with pytest.raises(ValueError, match="expected"):
+        host_copy.gather_blocks(out, pool, args["slots"], args["positions"])
+    assert not out.any()  # nothing written
+
+
+def test_gather_blocks_refuses_other_shapes_and_layouts():
+    pool = _bytes((4, 3, 64), 0)
+    with pytest.raises(ValueError, match="pool"):
+        host_copy.gather_blocks(np.zeros((3, 2, 32), np.uint8), pool, [0], [0])
+    with pytest.raises(ValueError, match="uint8"):
+        host_copy.gather_blocks(np.zeros((3, 2, 16), np.float32), pool, [0], [0])
+    with pytest.raises(ValueError, match="contiguous"):
+        host_copy.gather_blocks(np.zeros((3, 4, 64), np.uint8)[:, ::2], pool, [0], [0])
+    assert host_copy.gather_blocks(np.zeros((3, 2, 64), np.uint8), pool, [], []) is True
+
+
+def test_row_layout_of_block_views_and_refusals():
+    buffer = np.zeros((30, 2, 3, 64, 256), np.uint8)  # [L, 2, H, tokens, head_dim bytes]
+    blocks = buffer.reshape(30, 2, 3, 4, 16, 256)
+    assert host_copy.row_layout(blocks[:, :, :, 1]) == (180, 16 * 256, 64 * 256)
+    assert host_copy.row_layout(buffer) == (1, buffer.size, buffer.size)
+    assert host_copy.row_layout(buffer[:1, :1, :1, :16]) == (1, 16 * 256, 16 * 256)
+    assert host_copy.row_layout(buffer[:, :, :, :16, :128]) is None  # two strides: not rows
+    assert host_copy.row_layout(buffer.reshape(-1, 256).T) is None  # transposed
+    assert host_copy.row_layout(np.broadcast_to(np.zeros(64, np.uint8), (4, 64))) is None  # stride 0
+    assert host_copy.row_layout(buffer.view(np.float32)) is None  # not bytes
+
+
+@pytest.mark.parametrize("offset", [0, 5])
+def test_copy_into_rows_equals_numpy(streaming, offset):
+    buffer = _at(offset, (30, 2, 3, 4 * 16, 256))
+    place = buffer.reshape(30, 2, 3, 4, 16, 256)[:, :, :, 2]  # one block's place in a hit buffer
+    src = _bytes(place.size, offset)
+    assert host_copy.copy_into(place, src) is True
+    expected = np.zeros_like(buffer)
+    expected.reshape(30, 2, 3, 4, 16, 256)[:, :, :, 2] = src.reshape(place.shape)
+    assert np.array_equal(buffer, expected)  # the block's place and nothing else
+    contiguous = _at(offset, (1000 + offset,))
+    assert host_copy.copy_into(contiguous, src[: contiguous.size]) is True
+    assert np.array_equal(contiguous, src[: contiguous.size])
+
+
+def test_copy_into_leaves_other_layouts_to_numpy_and_checks_its_source():
+    dst = np.zeros((64, 32), np.uint8).T
+    assert host_copy.copy_into(dst, _bytes(dst.size, 0)) is False and not dst.any()
+    with pytest.raises(ValueError, match="source"):
+        host_copy.copy_into(np.zeros(8, np.uint8), np.zeros(9, np.uint8))
+    with pytest.raises(ValueError, match="writable"):
+        host_copy.copy_into(np.frombuffer(bytes(8), np.uint8), np.zeros(8, np.uint8))  # read-only
+
+
+@pytest.mark.parametrize("kernels", ["compiled", "numpy"])
+def test_the_hf_gather_is_the_same_with_or_without_the_kernels(request, monkeypatch, kernels):
+    from kvtier.connectors.hf_cache import gather_into
+    from kvtier.types import KVSpec
+
+    if kernels == "numpy":
+        request.getfixturevalue("kernels_off")
+    monkeypatch.setattr(host_copy, "STREAMING_MIN_NBYTES", 0)
+    spec = KVSpec(num_layers=2, num_kv_heads=3, head_dim=8, block_size=4, dtype=torch.bfloat16, head_major=True)
+    pool = torch.randn(6, *spec.block_shape).to(torch.bfloat16)
+    out = torch.zeros(spec.num_layers, 2, spec.num_kv_heads, 3 * spec.block_size, spec.head_dim, dtype=torch.bfloat16)
+    gather_into(spec, pool, out, [4, 1, 5], [2, 0, 1])
+    for slot, position in ((4, 2), (1, 0), (5, 1)):
+        assert torch.equal(out[..., position * 4 : (position + 1) * 4, :], pool[slot])
+
+
+def test_unavailable_kernels_copy_nothing_and_the_callers_fall_back(kernels_off):
+    from kvtier.connectors.hf_cache import gather_into
+    from kvtier.types import KVSpec
+
+    assert host_copy.available() is False
+    assert host_copy.gather_blocks(np.zeros((1, 1, 64), np.uint8), _bytes((1, 1, 64), 0), [0], [0]) is False
+    assert host_copy.copy_into(np.zeros(64, np.uint8), _bytes(64, 0)) is False
+    spec = KVSpec(num_layers=2, num_kv_heads=3, head_dim=8, block_size=4, dtype=torch.float32, head_major=True)
+    pool = torch.randn(6, *spec.block_shape)
+    out = torch.zeros(spec.num_layers, 2, spec.num_kv_heads, 3 * spec.block_size, spec.head_dim)
+    gather_into(spec, pool, out, [4, 1], [2, 0])
+    assert torch.equal(out[..., 2 * spec.block_size :, :], pool[4])
+    assert torch.equal(out[..., : spec.block_size, :], pool[1])
+
+
+@pytest.mark.parametrize("kernels", ["compiled", "numpy"])
+def test_records_decode_the_same_bytes_with_or_without_the_kernels(request, monkeypatch, kernels):
+    if kernels == "numpy":
+        request.getfixturevalue("kernels_off")
+    monkeypatch.setattr(host_copy, "STREAMING_MIN_NBYTES", 0)
+    block = torch.randn(2, 2, 3, 16, 8)
+    record = memoryview(encode_record(b"n" * 32, block, 1))
+    out = torch.full_like(block, 7.0)
+    assert decode_into(record, b"n" * 32, out).value == "ok" and torch.equal(out, block)
+    hit = torch.zeros(2, 2, 3, 48, 8)  # three blocks' places, head-major
+    place = hit.view(2, 2, 3, 3, 16, 8)[:, :, :, 1]
+    assert decode_into_view(record, b"n" * 32, place).value == "ok"
+    assert torch.equal(hit[:, :, :, 16:32], block) and not hit[:, :, :, :16].any() and not hit[:, :, :, 32:].any()
+
+
+def test_a_failed_build_or_off_falls_back_with_a_log(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(host_copy, "_library", None)
+    monkeypatch.setattr(host_copy, "_loaded", False)
+    monkeypatch.setenv(host_copy.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", "false")  # a compiler that always fails
+    with caplog.at_level(logging.WARNING, logger="kvtier.kernels.host_copy"):
+        assert host_copy.library() is None
+    assert "not built" in caplog.text and not list((tmp_path / "cache").glob("*.so"))
+    monkeypatch.setattr(host_copy, "_loaded", False)
+    monkeypatch.setenv(host_copy.ENV, "off")
+    assert host_copy.library() is None
+
+
+def test_the_build_is_cached_per_source_and_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv(host_copy.CACHE_ENV, str(tmp_path))
+    first = host_copy._build()
+    assert first is not None and first.parent == tmp_path and first.is_file()
+    mtime = first.stat().st_mtime_ns
+    assert host_copy._build() == first and first.stat().st_mtime_ns == mtime  # not compiled again
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial file left
+    assert os.access(first, os.R_OK)
