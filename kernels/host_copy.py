@@ -92,7 +92,7 @@ def _load() -> ctypes.CDLL | None:
         return None
     try:
         path = _build()
-    except (OSError, subprocess.SubprocessError) as exc:
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:  # RuntimeError: no home directory
         logger.warning("kvtier: host copy kernels not built (%s): CPU hits and DISK reads use numpy copies "
                        "(slower; bench/results/2026-12-03-nt-gather)", _short(exc))
         return None
@@ -262,4 +262,31 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> bool:
         return True
     streaming = int(dst.size >= STREAMING_MIN_NBYTES)
     lib.kvt_copy_rows(dst.ctypes.data, row_stride, src.ctypes.data, row_nbytes, rows, row_nbytes, streaming)
+    return True
+
+
+def copy_rows(dst_address: int, layout: tuple[int, int, int], src: np.ndarray) -> bool:
+    """:func:`copy_into` to a destination known by its address and :func:`row_layout` (computed
+    once for many destinations of one shape and strides, e.g. the blocks' places in a hit
+    buffer): ``rows`` runs of ``row_nbytes`` at ``dst_address + r * row_stride``.
+
+    The caller vouches for the address and layout (every byte they name must be writable
+    memory it owns); ``src`` is checked.
+
+    Returns:
+        ``True`` when copied; ``False`` (nothing copied) when the kernels are unavailable.
+
+    Raises:
+        ValueError: ``src`` is not C-contiguous uint8 of ``rows * row_nbytes`` bytes.
+    """
+    lib = library()
+    if lib is None:
+        return False
+    rows, row_nbytes, row_stride = layout
+    if src.dtype != np.uint8 or not src.flags.c_contiguous or src.size != rows * row_nbytes:
+        raise ValueError(f"expected a C-contiguous uint8 source of {rows * row_nbytes} bytes, got {src.dtype} "
+                         f"{src.shape} (contiguous: {src.flags.c_contiguous})")
+    if src.size:
+        lib.kvt_copy_rows(dst_address, row_stride, src.ctypes.data, row_nbytes, rows, row_nbytes,
+                          int(src.size >= STREAMING_MIN_NBYTES))
     return True

@@ -117,6 +117,11 @@ def test_copy_into_leaves_other_layouts_to_numpy_and_checks_its_source():
         host_copy.copy_into(np.zeros(8, np.uint8), np.zeros(9, np.uint8))
     with pytest.raises(ValueError, match="writable"):
         host_copy.copy_into(np.frombuffer(bytes(8), np.uint8), np.zeros(8, np.uint8))  # read-only
+    with pytest.raises(ValueError, match="source of 96 bytes"):
+        host_copy.copy_rows(np.zeros(200, np.uint8).ctypes.data, (3, 32, 64), np.zeros(95, np.uint8))
+    dst = np.zeros(200, np.uint8)
+    assert host_copy.copy_rows(dst.ctypes.data, (3, 32, 64), np.ones(96, np.uint8)) is True
+    assert dst.reshape(-1)[[0, 31, 64, 95, 128, 159]].all() and not dst[32:64].any() and not dst[160:].any()
 
 
 @pytest.mark.parametrize("kernels", ["compiled", "numpy"])
@@ -186,3 +191,20 @@ def test_the_build_is_cached_per_source_and_compiler(tmp_path, monkeypatch):
     assert host_copy._build() == first and first.stat().st_mtime_ns == mtime  # not compiled again
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial file left
     assert os.access(first, os.R_OK)
+
+
+def test_decode_into_view_plans_by_layout_not_by_shape(monkeypatch):
+    # decode_into_view keeps what it copies by per (dtype, shape, strides): places of one block
+    # shape in hit buffers of other lengths (other strides) must each get their own rows
+    monkeypatch.setattr(host_copy, "STREAMING_MIN_NBYTES", 0)
+    block = torch.randn(2, 2, 3, 16, 8)
+    record = memoryview(encode_record(b"n" * 32, block, 1))
+    for blocks_in_buffer in (3, 5, 3, 2, 5):
+        hit = torch.zeros(2, 2, 3, 16 * blocks_in_buffer, 8)
+        place = hit.view(2, 2, 3, blocks_in_buffer, 16, 8)[:, :, :, 1]
+        assert decode_into_view(record, b"n" * 32, place).value == "ok"
+        assert torch.equal(hit[:, :, :, 16:32], block)
+        hit[:, :, :, 16:32] = 0
+        assert not hit.any()  # nothing outside the block's place
+    wrong = torch.zeros(2, 2, 3, 16, 4)  # another shape: refused, not copied
+    assert decode_into_view(record, b"n" * 32, wrong).value == "corrupt" and not wrong.any()
