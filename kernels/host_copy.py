@@ -76,8 +76,14 @@ def library() -> ctypes.CDLL | None:
         return _library
     with _lock:
         if not _loaded:
-            _library = _load()
-            _loaded = True
+            try:
+                _library = _load()
+            except Exception as exc:  # never into a caller: a bad $CC, a library missing a symbol, ...
+                logger.warning("kvtier: host copy kernels unavailable (%s: %s): numpy copies", type(exc).__name__,
+                               _short(exc))
+                _library = None
+            finally:
+                _loaded = True
     return _library
 
 
@@ -99,11 +105,20 @@ def _load() -> ctypes.CDLL | None:
     if path is None:
         logger.info("kvtier: no C compiler found for the host copy kernels: numpy copies")
         return None
+    untrusted = _untrusted(path)
+    if untrusted:
+        logger.warning("kvtier: host copy kernels not loaded: %s (set %s to a directory only you can write): "
+                       "numpy copies", untrusted, CACHE_ENV)
+        return None
     try:
         lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        logger.warning("kvtier: host copy kernels not loaded (%s): numpy copies", _short(exc))
-        return None
+    except OSError:  # a damaged library (a truncated file): built again, once
+        path.unlink(missing_ok=True)
+        try:
+            lib = ctypes.CDLL(str(_build()))
+        except (OSError, subprocess.SubprocessError) as exc:
+            logger.warning("kvtier: host copy kernels not loaded (%s): numpy copies", _short(exc))
+            return None
     lib.kvt_streaming.restype = ctypes.c_int
     lib.kvt_streaming.argtypes = []
     lib.kvt_copy_rows.restype = None
@@ -130,6 +145,20 @@ def _compiler() -> list[str] | None:
     return None
 
 
+def _untrusted(path: Path) -> str | None:
+    """Why a library at ``path`` must not be loaded (``None``: it may): it or its directory
+    is owned by another user or writable by others (a library planted in a shared directory
+    would run in this process)."""
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    for item in (path.parent, path):
+        st = item.stat()
+        if uid is not None and st.st_uid not in (uid, 0):
+            return f"{item} belongs to another user"
+        if st.st_mode & 0o022:
+            return f"{item} is writable by others"
+    return None
+
+
 def cache_dir() -> Path:
     """Where the compiled library is kept (:data:`CACHE_ENV`)."""
     explicit = os.environ.get(CACHE_ENV)
@@ -151,15 +180,29 @@ def _build() -> Path | None:
     path = directory / f"host_copy-{key}.so"
     if path.is_file():
         return path
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _remove_stale_partials(directory)
     partial = directory / f".host_copy-{key}.{os.getpid()}.{threading.get_ident()}.so"
     try:
         subprocess.run([*compiler, "-O2", "-shared", "-fPIC", "-o", str(partial), str(_SOURCE)],
                        check=True, capture_output=True, timeout=120)
+        os.chmod(partial, 0o755)  # never group- or world-writable, whatever the umask (_untrusted)
         os.replace(partial, path)  # atomic: a concurrent build of the same key writes the same bytes
     finally:
         partial.unlink(missing_ok=True)
     return path
+
+
+def _remove_stale_partials(directory: Path, age_s: float = 600.0) -> None:
+    """Delete compiler outputs left by builds killed mid-way (older than ``age_s``)."""
+    import time
+
+    for stale in directory.glob(".host_copy-*.so"):
+        try:
+            if time.time() - stale.stat().st_mtime > age_s:
+                stale.unlink()
+        except OSError:
+            pass
 
 
 def gather_blocks(out: np.ndarray, pool: np.ndarray, slots: Sequence[int], positions: Sequence[int]) -> bool:
@@ -174,11 +217,12 @@ def gather_blocks(out: np.ndarray, pool: np.ndarray, slots: Sequence[int], posit
         slots, positions: ``[k]`` ints each, ``0 <= slot < num_slots``, ``0 <= position < n``.
 
     Returns:
-        ``True`` when copied; ``False`` (nothing copied) when the kernels are unavailable.
+        ``True`` when copied; ``False`` (nothing copied) when the kernels are unavailable or
+        ``out`` and ``pool`` share memory (the caller copies with numpy).
 
     Raises:
-        ValueError: shapes, dtypes, layout or an index out of range (checked before any
-            byte is written: the kernel itself trusts its arguments).
+        ValueError: shapes, dtypes, layout, indices that are not integers or out of range
+            (checked before any byte is written: the kernel itself trusts its arguments).
     """
     lib = library()
     if lib is None:
@@ -196,10 +240,15 @@ def gather_blocks(out: np.ndarray, pool: np.ndarray, slots: Sequence[int], posit
         raise ValueError(f"expected one position per slot ({k}), got {len(positions)}")
     if not k:
         return True
-    if min(slots) < 0 or max(slots) >= pool.shape[0] or min(positions) < 0 or max(positions) >= n:
+    ids = np.asarray([slots, positions])
+    if ids.dtype.kind not in "iub":  # a float (NaN, 2.9) never becomes an address
+        raise ValueError(f"expected integer slots and positions, got {ids.dtype}")
+    if ids.min() < 0 or ids[0].max() >= pool.shape[0] or ids[1].max() >= n:
         raise ValueError(f"expected slots in [0, {pool.shape[0]}) and positions in [0, {n}), got slots "
-                         f"{min(slots)}..{max(slots)}, positions {min(positions)}..{max(positions)}")
-    ids = np.array([slots, positions], dtype=np.int64)
+                         f"{ids[0].min()}..{ids[0].max()}, positions {ids[1].min()}..{ids[1].max()}")
+    if np.may_share_memory(out, pool):  # overlapping: numpy's copies handle it, these do not
+        return False
+    ids = ids.astype(np.int64)
     streaming = int(k * rows * piece >= STREAMING_MIN_NBYTES)
     lib.kvt_gather_blocks(out.ctypes.data, n * piece, pool.ctypes.data, rows * piece, ids[0].ctypes.data,
                           ids[1].ctypes.data, k, rows, piece, streaming)
@@ -239,8 +288,8 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> bool:
     destination's order.
 
     Returns:
-        ``True`` when copied; ``False`` (nothing copied) when the kernels are unavailable or
-        ``dst`` has another layout (the caller copies with numpy).
+        ``True`` when copied; ``False`` (nothing copied) when the kernels are unavailable,
+        ``dst`` has another layout or overlaps ``src`` (the caller copies with numpy).
 
     Raises:
         ValueError: ``src`` is not C-contiguous uint8 of ``dst.size`` bytes, or ``dst`` is
@@ -255,7 +304,7 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> bool:
     if not dst.flags.writeable:
         raise ValueError("expected a writable destination")
     layout = row_layout(dst)
-    if layout is None:
+    if layout is None or np.may_share_memory(dst, src):  # overlapping: numpy's copy handles it
         return False
     rows, row_nbytes, row_stride = layout
     if not dst.size:
@@ -274,7 +323,8 @@ def copy_rows(dst_address: int, layout: tuple[int, int, int], src: np.ndarray) -
     memory it owns); ``src`` is checked.
 
     Returns:
-        ``True`` when copied; ``False`` (nothing copied) when the kernels are unavailable.
+        ``True`` when copied; ``False`` (nothing copied) when the kernels are unavailable or
+        the destination overlaps ``src``.
 
     Raises:
         ValueError: ``src`` is not C-contiguous uint8 of ``rows * row_nbytes`` bytes.
@@ -286,6 +336,9 @@ def copy_rows(dst_address: int, layout: tuple[int, int, int], src: np.ndarray) -
     if src.dtype != np.uint8 or not src.flags.c_contiguous or src.size != rows * row_nbytes:
         raise ValueError(f"expected a C-contiguous uint8 source of {rows * row_nbytes} bytes, got {src.dtype} "
                          f"{src.shape} (contiguous: {src.flags.c_contiguous})")
+    span = (rows - 1) * row_stride + row_nbytes if rows else 0
+    if src.size and dst_address < src.ctypes.data + src.size and src.ctypes.data < dst_address + span:
+        return False  # overlapping: the caller's numpy copy handles it
     if src.size:
         lib.kvt_copy_rows(dst_address, row_stride, src.ctypes.data, row_nbytes, rows, row_nbytes,
                           int(src.size >= STREAMING_MIN_NBYTES))

@@ -252,16 +252,33 @@ shape: ~10 us of Python a block saved, bench/results/2026-12-03-nt-gather)."""
 
 
 def _view_plan(out: torch.Tensor) -> tuple[str | None, tuple[int, ...], int, tuple[int, int, int] | None]:
-    """``(dtype name, shape, payload bytes, row layout or None)`` of a destination tensor."""
-    key = (out.dtype, out.shape, out.stride())
+    """``(dtype name, shape, payload bytes, row layout or None)`` of a destination tensor; the
+    layout only for plain host memory (a CPU tensor, not a negated or conjugated view)."""
+    key = (out.dtype, out.shape, out.stride(), out.device)
     plan = _VIEW_PLANS.get(key)
     if plan is None:
-        layout = host_copy.row_layout(out.view(torch.uint8).numpy()) if out.numel() else None
+        layout = None
+        if out.numel() and out.device.type == "cpu" and not (out.is_neg() or out.is_conj()):
+            try:
+                layout = host_copy.row_layout(out.view(torch.uint8).numpy())
+            except (RuntimeError, TypeError):  # 0-d, a last dimension with stride != 1, ...: numpy's path decides
+                layout = None
         plan = (DTYPE_NAMES.get(out.dtype), tuple(out.shape), out.numel() * out.element_size(), layout)
         if len(_VIEW_PLANS) >= 256:  # bounded: a process sees a few layouts
             _VIEW_PLANS.clear()
         _VIEW_PLANS[key] = plan
     return plan
+
+
+def _check_storage(out: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless every element of ``out`` lies in its storage (a tensor
+    whose storage was resized away must not be written through its address)."""
+    storage = out.untyped_storage()
+    itemsize = out.element_size()
+    last = out.storage_offset() + sum((n - 1) * st for n, st in zip(out.shape, out.stride()) if st > 0)
+    if out.numel() and (last + 1) * itemsize > storage.nbytes():
+        raise ValueError(f"expected a destination inside its storage ({storage.nbytes()} bytes), got one "
+                         f"reaching byte {(last + 1) * itemsize}")
 
 
 def decode_into_view(value: memoryview, namespace: bytes, out: torch.Tensor, fingerprint: bytes | None = None) -> ReadStatus:
@@ -286,6 +303,9 @@ def decode_into_view(value: memoryview, namespace: bytes, out: torch.Tensor, fin
     Returns:
         as :func:`decode_into`. Unless ``OK``, ``out`` may hold partial or other bytes:
         never use them.
+
+    Raises:
+        ValueError: ``out`` reaches past its storage (nothing written).
     """
     dtype_name, shape, nbytes, rows = _view_plan(out)
     record = parse_header(value, len(value))
@@ -297,8 +317,10 @@ def decode_into_view(value: memoryview, namespace: bytes, out: torch.Tensor, fin
     if nbytes:
         src = np.frombuffer(value, dtype=np.uint8, offset=HEADER_NBYTES)
         digest.update(src)
+        if out.device.type == "cpu":
+            _check_storage(out)
         # rows of one block's place, streaming stores (kernels.host_copy); numpy without them
-        if rows is None or not host_copy.copy_rows(out.data_ptr(), rows, src):
+        if rows is None or out.is_neg() or not host_copy.copy_rows(out.data_ptr(), rows, src):
             dst = out.view(torch.uint8).numpy()  # the last dimension in bytes: same strides otherwise
             np.copyto(dst, src.reshape(dst.shape))
     return check_record(record, digest.intdigest(), fingerprint)

@@ -208,3 +208,69 @@ def test_decode_into_view_plans_by_layout_not_by_shape(monkeypatch):
         assert not hit.any()  # nothing outside the block's place
     wrong = torch.zeros(2, 2, 3, 16, 4)  # another shape: refused, not copied
     assert decode_into_view(record, b"n" * 32, wrong).value == "corrupt" and not wrong.any()
+
+
+# -- from the hostile review of the first version ---------------------------------------------
+@pytest.mark.parametrize("slots, positions", [(np.array([np.nan]), [0]), ([0], np.array([np.nan])), ([2.9], [0])])
+def test_gather_blocks_refuses_indices_that_are_not_integers(slots, positions):
+    pool, out = _bytes((4, 1, 63), 0), np.zeros((1, 3, 63), np.uint8)
+    with pytest.raises(ValueError, match="integer"):
+        host_copy.gather_blocks(out, pool, slots, positions)
+    assert not out.any()
+    assert host_copy.gather_blocks(out, pool, np.array([3], np.uint16), np.array([True])) is True
+    assert np.array_equal(out[:, 1], pool[3])
+
+
+def test_overlapping_source_and_destination_are_left_to_numpy(streaming):
+    a = np.arange(200, dtype=np.uint8)
+    assert host_copy.copy_into(a[1:], a[:-1]) is False  # numpy's copy handles the overlap
+    assert host_copy.copy_rows(a[16:].ctypes.data, (1, 150, 150), a[:150]) is False
+    assert np.array_equal(a, np.arange(200, dtype=np.uint8))  # nothing written
+    pool = _bytes((4, 2, 64), 0)
+    before = pool.copy()
+    assert host_copy.gather_blocks(pool[2:4], pool, [0, 1], [0, 1]) is False  # out inside the pool
+    assert np.array_equal(pool, before)
+    assert host_copy.gather_blocks(pool[2:4].copy(), pool, [0, 1], [0, 1]) is True
+
+
+def test_decode_into_view_never_writes_past_a_destinations_storage():
+    block = torch.randn(2, 3, 16, 8)
+    record = memoryview(encode_record(b"n" * 32, block, 1))
+    assert decode_into_view(record, b"n" * 32, torch.empty(2, 3, 16, 8)).value == "ok"  # a plan for the layout
+    gone = torch.zeros(2, 3, 16, 8)
+    gone.untyped_storage().resize_(0)
+    with pytest.raises(ValueError, match="inside its storage"):
+        decode_into_view(record, b"n" * 32, gone)
+    with pytest.raises((TypeError, RuntimeError)):  # not host memory: numpy's path refuses it
+        decode_into_view(record, b"n" * 32, torch.empty(2, 3, 16, 8, device="meta"))
+
+
+def test_a_bad_compiler_command_or_a_damaged_library_never_raises_into_callers(tmp_path, monkeypatch):
+    monkeypatch.setattr(host_copy, "_library", None)
+    monkeypatch.setattr(host_copy, "_loaded", False)
+    monkeypatch.setenv(host_copy.CACHE_ENV, str(tmp_path / "a"))
+    monkeypatch.setenv("CC", 'gcc "')  # shlex: no closing quotation
+    assert host_copy.library() is None and host_copy.library() is None  # logged once, not retried
+    block = torch.randn(2, 3, 16, 8)
+    out = torch.zeros_like(block)
+    assert decode_into(memoryview(encode_record(b"n" * 32, block, 1)), b"n" * 32, out).value == "ok"
+    assert torch.equal(out, block)
+    # a truncated library in the cache is built again
+    monkeypatch.delenv("CC")
+    monkeypatch.setattr(host_copy, "_loaded", False)
+    monkeypatch.setenv(host_copy.CACHE_ENV, str(tmp_path / "b"))
+    built = host_copy._build()
+    built.write_bytes(built.read_bytes()[:100])
+    assert host_copy.library() is not None and built.stat().st_size > 100
+
+
+def test_a_library_others_can_write_is_not_loaded(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(host_copy, "_library", None)
+    monkeypatch.setattr(host_copy, "_loaded", False)
+    shared = tmp_path / "shared"
+    monkeypatch.setenv(host_copy.CACHE_ENV, str(shared))
+    host_copy._build()
+    shared.chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger="kvtier.kernels.host_copy"):
+        assert host_copy.library() is None
+    assert "writable by" in caplog.text
