@@ -33,17 +33,22 @@ def run2(f):
     t = threading.Thread(target=lambda: [f(i) for i in range(0, n, 2)]); t.start()
     for i in range(1, n, 2): f(i)
     t.join()
+def report(fs, width):
+    """11 interleaved rounds of every case; best and median against the "copy" case."""
+    res = {k: [] for k in fs}
+    for _ in range(11):
+        for k, g in fs.items():
+            t = time.perf_counter(); g(); res[k].append(time.perf_counter() - t)
+    c = sorted(res["copy"])
+    for k, v in res.items():
+        v.sort(); print(f"{k:{width}s} best {v[0]*1e3:.2f} ms ({v[0]/c[0]:.2f}x)  median {v[5]*1e3:.2f} ({v[5]/c[5]:.2f}x)")
+
+
 src = torch.empty(n * blocks[0].numel()).normal_(); dst = torch.empty_like(src)
 fs = {"copy": lambda: dst.copy_(src)}
 for name, f in [("whole", whole), ("rows32", chunked(32)), ("rows60", chunked(60)), ("rows16", chunked(16))]:
     fs[name + " 1T"] = (lambda f=f: run1(f)); fs[name + " 2T"] = (lambda f=f: run2(f))
-res = {k: [] for k in fs}
-for _ in range(11):
-    for k, g in fs.items():
-        t = time.perf_counter(); g(); res[k].append(time.perf_counter() - t)
-c = sorted(res["copy"])
-for k, v in res.items():
-    v.sort(); print(f"{k:12s} best {v[0]*1e3:.2f} ms ({v[0]/c[0]:.2f}x)  median {v[5]*1e3:.2f} ({v[5]/c[5]:.2f}x)")
+report(fs, 12)
 print("--- read_into_views API")
 def api1(): tier.read_into_views(hs, NS, views, [None] * n)
 def api2():
@@ -63,10 +68,4 @@ def api1_jobs():
     futs = [ex1.submit(tier.read_into_views, [hs[i] for i in p], NS, [views[i] for i in p], [None] * len(p)) for p in parts]
     [f.result() for f in futs]
 fs = {"copy": lambda: dst.copy_(src), "api 1T": api1, "api 2T": api2, "api jobs 2 threads": api2_jobs, "api jobs 1 thread": api1_jobs}
-res = {k: [] for k in fs}
-for _ in range(11):
-    for k, g in fs.items():
-        t = time.perf_counter(); g(); res[k].append(time.perf_counter() - t)
-c = sorted(res["copy"])
-for k, v in res.items():
-    v.sort(); print(f"{k:20s} best {v[0]*1e3:.2f} ms ({v[0]/c[0]:.2f}x)  median {v[5]*1e3:.2f} ({v[5]/c[5]:.2f}x)")
+report(fs, 20)
