@@ -95,14 +95,15 @@ def check_hit(model, plan, prompt: Prompt) -> None:
     assert int(out.logits[0, -1].argmax()) == prompt.next_token, "next token differs from the full forward"
 
 
-def _config(root: Path, *, disk: bool, top_bytes: int) -> StoreConfig:
+def _config(root: Path, *, disk: bool, top_bytes: int, io_threads: int = 2) -> StoreConfig:
     return StoreConfig(
         gpu_bytes=0, cpu_bytes=top_bytes, disk_bytes=(2 << 30) if disk else 0, data_dir=root,
-        flush_on_close=disk, num_io_threads=2,
+        flush_on_close=disk, num_io_threads=io_threads,
     )
 
 
-def tier_rows(model, prompts: list[Prompt], tier: str, root: Path, repeats: int, profile: Path | None = None) -> list[Row]:
+def tier_rows(model, prompts: list[Prompt], tier: str, root: Path, repeats: int, profile: Path | None = None,
+              io_threads: int = 2) -> list[Row]:
     """One row per prompt: ``before_prefill`` from ``tier`` ("CPU", "DISK", or "CPU-fresh":
     CPU with ``hit_buffer_bytes=0``, every hit into per-layer tensors of its own) vs one
     copy; with ``profile``, a cProfile summary of 5 more calls per prompt written there."""
@@ -115,7 +116,7 @@ def tier_rows(model, prompts: list[Prompt], tier: str, root: Path, repeats: int,
     top_bytes = (max(p.length for p in prompts) + 64) * per_token + 16 * MiB
     if not disk:
         top_bytes = sum(p.length + 64 for p in prompts) * per_token + 16 * MiB
-    config = _config(root / (tier.lower() + ("-fresh" if fresh else "")), disk=disk, top_bytes=top_bytes)
+    config = _config(root / (tier.lower() + ("-fresh" if fresh else "")), disk=disk, top_bytes=top_bytes, io_threads=io_threads)
 
     def connector() -> HFConnector:
         return HFConnector.from_model(model, config, model_id="bench-smollm2", model_revision="bench",
@@ -264,6 +265,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2", help="a kvtier.app.models name (default smollm2)")
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
                         help="also write a cProfile summary (by cumulative time) per tier and length here")
+    parser.add_argument("--io-threads", type=int, default=2,
+                        help="the store's I/O threads (num_io_threads; default 2): a DISK hit's reads run on them")
     parser.add_argument("--dir", default=None, help="directory for LMDB (default: a temp dir beside the checkout)")
     args = parser.parse_args()
     threads = apply_threads(args.threads)
@@ -276,12 +279,12 @@ def main() -> None:
     rows: list[Row] = []
     try:
         for tier in args.tiers.split(","):
-            rows += tier_rows(model, prompts, tier.strip().upper(), root, args.repeats, args.profile)
+            rows += tier_rows(model, prompts, tier.strip().upper(), root, args.repeats, args.profile, args.io_threads)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     load = os.getloadavg()
     print_table(
-        f"kvtier hit path: HFConnector.before_prefill, {args.model} fp32, {threads} torch thread(s)", rows,
+        f"kvtier hit path: HFConnector.before_prefill, {args.model} fp32, {threads} torch thread(s), {args.io_threads} I/O thread(s)", rows,
         f"best of {args.repeats} (after one warm-up), interleaved with the baseline; load average "
         f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}. Exactness asserted: K/V bit-equal to the full forward's, "
         "same next token.",
