@@ -49,6 +49,14 @@ blocks): small enough that the connectors gather a prefix's first blocks while t
 threads read the rest (:meth:`PrefetchHandle.landed`), large enough that a job's own cost
 (a future, a result: tens of microseconds) stays under 1% of its copy."""
 
+_SINK_JOB_NBYTES = 1 << 62
+"""Bytes of a DISK read job into the caller's buffer (``sinks``) at most: by default one run of
+the prefix per I/O thread. Nothing is gathered as such a job lands, and each job costs the
+submitting thread ~65 us of Python before the first read can start (it holds the GIL): a
+4k-token SmolLM2-135M hit was 24 jobs; ``before_prefill`` of a DISK hit 1.52-2.35x one copy
+vs 1.64-2.73x with 8 MiB jobs over three alternating rounds, 9 of 9 pairs faster
+(bench/results/2026-12-03-sink-jobs)."""
+
 
 @dataclass(slots=True)
 class BlockPlan:
@@ -399,6 +407,8 @@ class Prefetcher:
             num_jobs = min(len(reads), self._num_io_threads)
             if source is Medium.DISK:  # runs of consecutive blocks, in order: gathered as they land
                 size = max(1, min(-(-len(reads) // num_jobs), _DISK_JOB_NBYTES // self.placement.spec.block_nbytes))
+                if views is not None:  # into the caller's buffer: nothing is gathered as it lands
+                    size = max(1, min(-(-len(reads) // num_jobs), _SINK_JOB_NBYTES // self.placement.spec.block_nbytes))
                 parts = [reads[k : k + size] for k in range(0, len(reads), size)]
             else:  # REMOTE: one batch request per I/O thread
                 parts = [reads[k::num_jobs] for k in range(num_jobs)]

@@ -49,6 +49,7 @@ def gathered(monkeypatch) -> list[list[int]]:
 def test_a_disk_hit_is_read_into_the_hit_buffer_bit_for_bit_and_promoted(model, tmp_path, monkeypatch, head_major,
                                                                          job_nbytes):
     monkeypatch.setattr(prefetch, "_DISK_JOB_NBYTES", job_nbytes)
+    monkeypatch.setattr(prefetch, "_SINK_JOB_NBYTES", job_nbytes)  # reads into the hit buffer too
     ids = prompt(6 * BLOCK + 5, seed=11)
     kv = on_disk(model, tmp_path, ids, head_major)
     calls = gathered(monkeypatch)
@@ -71,6 +72,7 @@ def test_a_disk_hit_is_read_into_the_hit_buffer_bit_for_bit_and_promoted(model, 
 def test_a_bad_record_mid_chain_ends_the_prefix_and_nothing_after_it_is_served(model, tmp_path, monkeypatch,
                                                                               job_nbytes, damage):
     monkeypatch.setattr(prefetch, "_DISK_JOB_NBYTES", job_nbytes)
+    monkeypatch.setattr(prefetch, "_SINK_JOB_NBYTES", job_nbytes)  # reads into the hit buffer too
     ids = prompt(6 * BLOCK + 1, seed=12)
     cfg = config(tmp_path)
     kv = connector(model, cfg)
@@ -241,6 +243,7 @@ class _Timeline:
 
 def test_the_promotions_start_only_after_the_last_delivery_of_the_prefix(model, tmp_path, monkeypatch):
     monkeypatch.setattr(prefetch, "_DISK_JOB_NBYTES", 1)  # one job per block: 6 jobs on 2 I/O threads
+    monkeypatch.setattr(prefetch, "_SINK_JOB_NBYTES", 1)  # reads into the hit buffer too
     ids = prompt(6 * BLOCK + 3, seed=31)
     kv = on_disk(model, tmp_path, ids)
     hashes = kv.block_hashes(ids[0])
@@ -259,6 +262,7 @@ def test_the_promotions_start_only_after_the_last_delivery_of_the_prefix(model, 
 @pytest.mark.parametrize("then", ["reset", "close"])
 def test_a_reset_or_close_while_the_promotions_run_loses_nothing_and_never_hangs(model, tmp_path, monkeypatch, then):
     monkeypatch.setattr(prefetch, "_DISK_JOB_NBYTES", 1)
+    monkeypatch.setattr(prefetch, "_SINK_JOB_NBYTES", 1)  # reads into the hit buffer too
     ids = prompt(4 * BLOCK + 3, seed=32)
     kv = on_disk(model, tmp_path, ids)
     disk, release, started = kv.store.disk, threading.Event(), threading.Event()
@@ -297,6 +301,7 @@ def test_a_reset_or_close_while_the_promotions_run_loses_nothing_and_never_hangs
 
 def test_a_job_that_fails_to_start_opens_the_gate_for_the_others(model, tmp_path, monkeypatch):
     monkeypatch.setattr(prefetch, "_DISK_JOB_NBYTES", 1)
+    monkeypatch.setattr(prefetch, "_SINK_JOB_NBYTES", 1)  # reads into the hit buffer too
     ids = prompt(4 * BLOCK + 3, seed=33)
     kv = on_disk(model, tmp_path, ids)
     engine = kv.store._prefetcher.engine
@@ -345,6 +350,7 @@ def test_a_hits_promotions_run_after_every_delivery_one_after_another_on_one_thr
     from kvtier.tiers.disk import DiskTier
 
     monkeypatch.setattr(prefetch, "_DISK_JOB_NBYTES", 1)  # one block a job: six jobs over two threads
+    monkeypatch.setattr(prefetch, "_SINK_JOB_NBYTES", 1)  # reads into the hit buffer too
     ids = prompt(6 * BLOCK + 2, seed=34)
     kv = on_disk(model, tmp_path, ids)
     events: list[tuple[str, str, bytes]] = []
@@ -373,4 +379,27 @@ def test_a_hits_promotions_run_after_every_delivery_one_after_another_on_one_thr
     assert len({t for _, t, _ in promoted}) == 1  # one after another, on one thread
     assert [kv.store.placement.medium_of(h) for h in hashes] == [Medium.CPU] * 6
     del plan
+    kv.close()
+
+
+def test_reads_into_the_hit_buffer_run_as_one_job_per_io_thread(model, tmp_path, monkeypatch):
+    # nothing is gathered as such a job lands: one run of the prefix per I/O thread, whatever the
+    # job size for reads into the pool (_DISK_JOB_NBYTES), so the first read starts early
+    monkeypatch.setattr(prefetch, "_DISK_JOB_NBYTES", 1)
+    ids = prompt(6 * BLOCK + 3, seed=33)
+    kv = on_disk(model, tmp_path, ids)
+    disk, runs = kv.store.disk, []
+    real_views = disk.read_into_views
+
+    def views(block_hashes, *args, **kwargs):
+        runs.append(len(block_hashes))
+        return real_views(block_hashes, *args, **kwargs)
+
+    monkeypatch.setattr(disk, "read_into_views", views)
+    plan = kv.before_prefill(ids)
+    assert_exact(plan, model, ids, 6 * BLOCK)
+    assert plan.sources == [Medium.DISK] * 6
+    threads = kv.store.config.num_io_threads
+    assert len(runs) == min(6, threads) and sum(runs) == 6 and max(runs) - min(runs) <= 1
+    kv.finish_loads()
     kv.close()

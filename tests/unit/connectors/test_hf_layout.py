@@ -128,6 +128,7 @@ def test_disk_reads_land_in_chunks_and_a_corrupt_one_ends_the_prefix(model, tmp_
     hashes = kv.block_hashes(ids[0])
     kv.close()
     monkeypatch.setattr(prefetch, "_DISK_JOB_NBYTES", 1)
+    monkeypatch.setattr(prefetch, "_SINK_JOB_NBYTES", 1)  # reads into the hit buffer too
     kv = connector(model, cfg)
     ticket = kv.prefetch(ids)
     assert len(ticket.handle.read_jobs) == 6 and [sorted(v) for v in ticket.handle.read_jobs.values()] == [[i] for i in range(6)]
