@@ -20,8 +20,6 @@
 #define KVT_STREAMING 0
 #endif
 
-int kvt_streaming(void) { return KVT_STREAMING; }
-
 static void copy_piece(char *dst, const char *src, int64_t n, int streaming) {
 #if KVT_STREAMING
     if (streaming && n >= 64) {

@@ -119,8 +119,6 @@ def _load() -> ctypes.CDLL | None:
         except (OSError, subprocess.SubprocessError) as exc:
             logger.warning("kvtier: host copy kernels not loaded (%s): numpy copies", _short(exc))
             return None
-    lib.kvt_streaming.restype = ctypes.c_int
-    lib.kvt_streaming.argtypes = []
     lib.kvt_copy_rows.restype = None
     lib.kvt_copy_rows.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, ctypes.c_int]
     lib.kvt_gather_blocks.restype = None
@@ -282,10 +280,16 @@ def row_layout(array: np.ndarray) -> tuple[int, int, int] | None:
     return rows, row_nbytes, row_stride
 
 
+def _check_source(src: np.ndarray, nbytes: int) -> None:
+    if src.dtype != np.uint8 or not src.flags.c_contiguous or src.size != nbytes:
+        raise ValueError(f"expected a C-contiguous uint8 source of {nbytes} bytes, got {src.dtype} "
+                         f"{src.shape} (contiguous: {src.flags.c_contiguous})")
+
+
 def copy_into(dst: np.ndarray, src: np.ndarray) -> bool:
     """``dst[...] = src`` for a uint8 ``dst`` laid out as equally spaced contiguous rows
     (:func:`row_layout`) and a C-contiguous uint8 ``src`` of as many bytes, in the
-    destination's order.
+    destination's order (:func:`copy_rows` at ``dst``'s address).
 
     Returns:
         ``True`` when copied; ``False`` (nothing copied) when the kernels are unavailable,
@@ -295,29 +299,19 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> bool:
         ValueError: ``src`` is not C-contiguous uint8 of ``dst.size`` bytes, or ``dst`` is
             not writable.
     """
-    lib = library()
-    if lib is None:
+    if library() is None:
         return False
-    if src.dtype != np.uint8 or not src.flags.c_contiguous or src.size != dst.size:
-        raise ValueError(f"expected a C-contiguous uint8 source of {dst.size} bytes, got {src.dtype} "
-                         f"{src.shape} (contiguous: {src.flags.c_contiguous})")
+    _check_source(src, dst.size)
     if not dst.flags.writeable:
         raise ValueError("expected a writable destination")
     layout = row_layout(dst)
-    if layout is None or np.may_share_memory(dst, src):  # overlapping: numpy's copy handles it
-        return False
-    rows, row_nbytes, row_stride = layout
-    if not dst.size:
-        return True
-    streaming = int(dst.size >= STREAMING_MIN_NBYTES)
-    lib.kvt_copy_rows(dst.ctypes.data, row_stride, src.ctypes.data, row_nbytes, rows, row_nbytes, streaming)
-    return True
+    return layout is not None and copy_rows(dst.ctypes.data, layout, src)
 
 
 def copy_rows(dst_address: int, layout: tuple[int, int, int], src: np.ndarray) -> bool:
-    """:func:`copy_into` to a destination known by its address and :func:`row_layout` (computed
-    once for many destinations of one shape and strides, e.g. the blocks' places in a hit
-    buffer): ``rows`` runs of ``row_nbytes`` at ``dst_address + r * row_stride``.
+    """``rows`` runs of ``row_nbytes`` from ``src`` (C-contiguous uint8) to
+    ``dst_address + r * row_stride`` (``layout`` = :func:`row_layout`, computed once for many
+    destinations of one shape and strides, e.g. the blocks' places in a hit buffer).
 
     The caller vouches for the address and layout (every byte they name must be writable
     memory it owns); ``src`` is checked.
@@ -333,13 +327,11 @@ def copy_rows(dst_address: int, layout: tuple[int, int, int], src: np.ndarray) -
     if lib is None:
         return False
     rows, row_nbytes, row_stride = layout
-    if src.dtype != np.uint8 or not src.flags.c_contiguous or src.size != rows * row_nbytes:
-        raise ValueError(f"expected a C-contiguous uint8 source of {rows * row_nbytes} bytes, got {src.dtype} "
-                         f"{src.shape} (contiguous: {src.flags.c_contiguous})")
-    span = (rows - 1) * row_stride + row_nbytes if rows else 0
-    if src.size and dst_address < src.ctypes.data + src.size and src.ctypes.data < dst_address + span:
+    _check_source(src, rows * row_nbytes)
+    if not src.size:
+        return True
+    if dst_address < src.ctypes.data + src.size and src.ctypes.data < dst_address + (rows - 1) * row_stride + row_nbytes:
         return False  # overlapping: the caller's numpy copy handles it
-    if src.size:
-        lib.kvt_copy_rows(dst_address, row_stride, src.ctypes.data, row_nbytes, rows, row_nbytes,
-                          int(src.size >= STREAMING_MIN_NBYTES))
+    lib.kvt_copy_rows(dst_address, row_stride, src.ctypes.data, row_nbytes, rows, row_nbytes,
+                      int(src.size >= STREAMING_MIN_NBYTES))
     return True

@@ -34,7 +34,6 @@ import torch
 import xxhash
 
 from kvtier.kernels import host_copy
-from kvtier.kernels.host_copy import copy_into
 from kvtier.types import DTYPE_NAMES, DTYPES_BY_NAME, NO_FINGERPRINT
 
 _MAGIC = b"KVTB"
@@ -53,10 +52,10 @@ then copied from cache (:func:`kvtier.kernels.host_copy.copy_into`: streaming st
 ``copyto`` without the compiled kernels). Pieces of up to 4 MiB (within L3), not the
 512 KiB pieces copied first and hashed from the destination as before: glibc's ``memmove``
 uses ``rep movsb`` for copies from 8 KiB up to the L2 size on AMD cores (glibc 2.33+,
-``rep_movsb_stop_threshold``), and from a file mapping's 4 KiB pages that ran at 7 GB/s where
-a 2 MiB copy ran at 12.5 GB/s (2026-12-03 VM: AMD EPYC, 1 MiB L2, glibc 2.36;
-bench/results/2026-12-03-disk-read). A 2 MiB block's warm DISK get: 9.4 vs 4.3 GB/s in one
-micro run; smaller blocks (SmolLM2's 720 KiB) 7.0 vs 6.0 GB/s."""
+``rep_movsb_stop_threshold``), and from a file mapping's 4 KiB pages that ran at 5.3 GB/s where
+2 MiB copies ran at 10.3 GB/s (2026-12-03 VM: AMD EPYC, 1 MiB L2, glibc 2.36;
+bench/results/2026-12-03-disk-read/micro/micro.log). Hash-then-copy vs the old order, one
+thread, warm: 2 MiB blocks 10.95 vs 5.85 GB/s, 720 KiB blocks 5.34 vs 4.53 GB/s (same log)."""
 
 
 class ReadStatus(enum.Enum):
@@ -190,18 +189,15 @@ def failed_header_status(value: bytes | memoryview) -> ReadStatus:
     return ReadStatus.OTHER_VERSION if version is not None and version != VERSION else ReadStatus.CORRUPT
 
 
-def _header_for(value: memoryview, namespace: bytes, out: torch.Tensor) -> "RecordHeader | ReadStatus":
-    """The header of ``value`` if it is a record of ``namespace`` with ``out``'s dtype, shape
-    and size; else the read's status (``CORRUPT``, or ``OTHER_VERSION`` for another format)."""
+def _header_for(value: memoryview, namespace: bytes, plan: tuple) -> "RecordHeader | ReadStatus":
+    """The header of ``value`` if it is a record of ``namespace`` with the destination's dtype,
+    shape and size (``plan``: :func:`_view_plan`); else the read's status (``CORRUPT``, or
+    ``OTHER_VERSION`` for another format)."""
     record = parse_header(value, len(value))
     if record is None:
         return failed_header_status(value)
-    if (
-        record.namespace != namespace
-        or record.dtype != DTYPE_NAMES.get(out.dtype)
-        or record.shape != tuple(out.shape)
-        or record.payload_nbytes != out.numel() * out.element_size()
-    ):
+    dtype_name, shape, nbytes, _ = plan
+    if record.namespace != namespace or record.dtype != dtype_name or record.shape != shape or record.payload_nbytes != nbytes:
         return ReadStatus.CORRUPT
     return record
 
@@ -217,7 +213,7 @@ def decode_into(value: memoryview, namespace: bytes, out: torch.Tensor, fingerpr
         record of another format version; ``CORRUPT`` otherwise. Unless ``OK``, ``out`` may
         hold partial or other bytes: never use them.
     """
-    record = _header_for(value, namespace, out)
+    record = _header_for(value, namespace, _view_plan(out))
     if isinstance(record, ReadStatus):
         return record
     digest = record.digest(value)
@@ -228,7 +224,7 @@ def decode_into(value: memoryview, namespace: bytes, out: torch.Tensor, fingerpr
             piece = src[start : start + _READ_CHUNK_NBYTES]
             digest.update(piece)  # brings the piece into cache for its copy: memory is read once
             into = dst[start : start + _READ_CHUNK_NBYTES]
-            if not copy_into(into, piece):  # streaming stores (kvtier.kernels.host_copy), else numpy
+            if not host_copy.copy_into(into, piece):  # streaming stores (kvtier.kernels.host_copy), else numpy
                 np.copyto(into, piece)
     return check_record(record, digest.intdigest(), fingerprint)
 
@@ -246,9 +242,9 @@ def check_record(record: RecordHeader, checksum: int, fingerprint: bytes | None)
 
 
 _VIEW_PLANS: dict[tuple, tuple] = {}
-"""``(dtype, shape, strides)`` of a destination -> what :func:`decode_into_view` checks and
-copies by: computed once per layout (a DISK hit reads tens of blocks into places of one
-shape: ~10 us of Python a block saved, bench/results/2026-12-03-nt-gather)."""
+"""``(dtype, shape, strides, device)`` of a destination -> what the record decoders check and
+copy by: computed once per layout (a DISK hit reads tens of blocks into places of one
+shape: 16.6 -> 10.6 us of Python a block, timeit of decode_into_view at 7ba885d)."""
 
 
 def _view_plan(out: torch.Tensor) -> tuple[str | None, tuple[int, ...], int, tuple[int, int, int] | None]:
@@ -307,13 +303,12 @@ def decode_into_view(value: memoryview, namespace: bytes, out: torch.Tensor, fin
     Raises:
         ValueError: ``out`` reaches past its storage (nothing written).
     """
-    dtype_name, shape, nbytes, rows = _view_plan(out)
-    record = parse_header(value, len(value))
-    if record is None:
-        return failed_header_status(value)
-    if record.namespace != namespace or record.dtype != dtype_name or record.shape != shape or record.payload_nbytes != nbytes:
-        return ReadStatus.CORRUPT
+    plan = _view_plan(out)
+    record = _header_for(value, namespace, plan)
+    if isinstance(record, ReadStatus):
+        return record
     digest = record.digest(value)
+    nbytes, rows = plan[2:]
     if nbytes:
         src = np.frombuffer(value, dtype=np.uint8, offset=HEADER_NBYTES)
         digest.update(src)

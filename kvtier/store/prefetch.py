@@ -406,9 +406,8 @@ class Prefetcher:
                 continue
             num_jobs = min(len(reads), self._num_io_threads)
             if source is Medium.DISK:  # runs of consecutive blocks, in order: gathered as they land
-                size = max(1, min(-(-len(reads) // num_jobs), _DISK_JOB_NBYTES // self.placement.spec.block_nbytes))
-                if views is not None:  # into the caller's buffer: nothing is gathered as it lands
-                    size = max(1, min(-(-len(reads) // num_jobs), _SINK_JOB_NBYTES // self.placement.spec.block_nbytes))
+                job_nbytes = _DISK_JOB_NBYTES if views is None else _SINK_JOB_NBYTES  # sinks: nothing gathers
+                size = max(1, min(-(-len(reads) // num_jobs), job_nbytes // self.placement.spec.block_nbytes))
                 parts = [reads[k : k + size] for k in range(0, len(reads), size)]
             else:  # REMOTE: one batch request per I/O thread
                 parts = [reads[k::num_jobs] for k in range(num_jobs)]

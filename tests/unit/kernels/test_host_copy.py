@@ -6,7 +6,6 @@ either way."""
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 import pytest
@@ -190,7 +189,7 @@ def test_the_build_is_cached_per_source_and_compiler(tmp_path, monkeypatch):
     mtime = first.stat().st_mtime_ns
     assert host_copy._build() == first and first.stat().st_mtime_ns == mtime  # not compiled again
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial file left
-    assert os.access(first, os.R_OK)
+    assert first.stat().st_mode & 0o777 == 0o755  # never group- or world-writable (_untrusted)
 
 
 def test_decode_into_view_plans_by_layout_not_by_shape(monkeypatch):
