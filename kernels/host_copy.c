@@ -79,3 +79,68 @@ void kvt_gather_blocks(char *out, int64_t out_row_stride, const char *pool, int6
     }
     fence(streaming);
 }
+
+/* xxh3-64 while copying: a DISK record's payload verified and delivered in one pass over its
+ * bytes, in one call that releases the GIL once. The hash functions are python-xxhash's own (the
+ * library the Python side hashes records with), bound at load time by kvt_bind_xxh3. Through
+ * python-xxhash each block took two GIL round trips (its hash releases the GIL only above
+ * 64 KiB, then the copy), and with two I/O threads and the caller contending for it each
+ * round trip can wait: hashing 64 KiB + 1 byte pieces on two threads costs 3x the CPU time of
+ * one thread doing the same work (bench/results/2026-12-03-fused-hash/gil.log). */
+typedef void *(*kvt_xxh3_create)(void);
+typedef int (*kvt_xxh3_free)(void *);
+typedef int (*kvt_xxh3_reset)(void *);
+typedef int (*kvt_xxh3_update)(void *, const void *, size_t);
+typedef uint64_t (*kvt_xxh3_digest)(const void *);
+
+static kvt_xxh3_create xxh3_create;
+static kvt_xxh3_free xxh3_free;
+static kvt_xxh3_reset xxh3_reset;
+static kvt_xxh3_update xxh3_update;
+static kvt_xxh3_digest xxh3_digest;
+
+/* XXH3_createState, XXH3_freeState, XXH3_64bits_reset, XXH3_64bits_update, XXH3_64bits_digest
+ * (xxhash.h's signatures). Called once, before any kvt_hash_copy_rows. */
+void kvt_bind_xxh3(void *create, void *free_state, void *reset, void *update, void *digest) {
+    xxh3_create = (kvt_xxh3_create)create;
+    xxh3_free = (kvt_xxh3_free)free_state;
+    xxh3_reset = (kvt_xxh3_reset)reset;
+    xxh3_update = (kvt_xxh3_update)update;
+    xxh3_digest = (kvt_xxh3_digest)digest;
+}
+
+/* *digest = xxh3-64 of prefix[0:prefix_nbytes] followed by rows x row_nbytes contiguous bytes
+ * of src, copying row r to dst + r * dst_stride as it goes: each chunk of about chunk_nbytes
+ * (whole rows) is hashed first, which brings it into cache, then copied from there. Returns
+ * 0, or -1 (nothing written) when the hash is not bound or its state cannot be allocated. */
+int kvt_hash_copy_rows(uint64_t *digest, const char *prefix, int64_t prefix_nbytes, char *dst, int64_t dst_stride,
+                       const char *src, int64_t rows, int64_t row_nbytes, int64_t chunk_nbytes, int streaming) {
+    if (!xxh3_create)
+        return -1;
+    void *state = xxh3_create();
+    if (!state)
+        return -1;
+    xxh3_reset(state);
+    xxh3_update(state, prefix, (size_t)prefix_nbytes);
+    if (row_nbytes >= chunk_nbytes) { /* long rows (a contiguous payload is one): each in chunks */
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t at = 0; at < row_nbytes; at += chunk_nbytes) {
+                int64_t n = row_nbytes - at < chunk_nbytes ? row_nbytes - at : chunk_nbytes;
+                xxh3_update(state, src + r * row_nbytes + at, (size_t)n);
+                copy_piece(dst + r * dst_stride + at, src + r * row_nbytes + at, n, streaming);
+            }
+        }
+    } else { /* short rows: as many whole rows a chunk as fit */
+        int64_t per_chunk = row_nbytes > 0 ? chunk_nbytes / row_nbytes : rows + 1;
+        for (int64_t r = 0; r < rows; r += per_chunk) {
+            int64_t k = rows - r < per_chunk ? rows - r : per_chunk;
+            xxh3_update(state, src + r * row_nbytes, (size_t)(k * row_nbytes));
+            for (int64_t j = r; j < r + k; j++)
+                copy_piece(dst + j * dst_stride, src + j * row_nbytes, row_nbytes, streaming);
+        }
+    }
+    fence(streaming);
+    *digest = xxh3_digest(state);
+    xxh3_free(state);
+    return 0;
+}

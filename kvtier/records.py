@@ -47,9 +47,10 @@ _DTYPE_BY_CODE = {code: name for name, code in _DTYPE_CODES.items()}
 _CHUNK_NBYTES = 512 << 10  # encode_record's copy+hash granularity (into its own buffer, not a file mapping),
 # so the hash reads the destination from cache
 _READ_CHUNK_NBYTES = 4 << 20
-"""decode_into's granularity: each piece of the payload is hashed where it lies in LMDB's map,
-then copied from cache (:func:`kvtier.kernels.host_copy.copy_into`: streaming stores; one numpy
-``copyto`` without the compiled kernels). Pieces of up to 4 MiB (within L3), not the
+"""A contiguous destination's granularity without the fused kernel (:func:`decode_into_view`):
+each piece of the payload is hashed where it lies in LMDB's map, then copied from cache
+(:func:`kvtier.kernels.host_copy.copy_rows`: streaming stores; one numpy ``copyto`` without the
+compiled kernels). Pieces of up to 4 MiB (within L3), not the
 512 KiB pieces copied first and hashed from the destination as before: glibc's ``memmove``
 uses ``rep movsb`` for copies from 8 KiB up to the L2 size on AMD cores (glibc 2.33+,
 ``rep_movsb_stop_threshold``), and from a file mapping's 4 KiB pages that ran at 5.3 GB/s where
@@ -204,7 +205,7 @@ def _header_for(value: memoryview, namespace: bytes, plan: tuple) -> "RecordHead
 
 def decode_into(value: memoryview, namespace: bytes, out: torch.Tensor, fingerprint: bytes | None = None) -> ReadStatus:
     """Verify the whole record ``value`` and copy its payload into ``out`` (a contiguous CPU
-    tensor of the expected shape and dtype).
+    tensor of the expected shape and dtype; :func:`decode_into_view` for any strides).
 
     Returns:
         ``OK`` iff header, namespace, dtype, shape, size and checksum all match and, given
@@ -212,21 +213,16 @@ def decode_into(value: memoryview, namespace: bytes, out: torch.Tensor, fingerpr
         ``TOKEN_MISMATCH`` for an intact record of other tokens; ``OTHER_VERSION`` for a
         record of another format version; ``CORRUPT`` otherwise. Unless ``OK``, ``out`` may
         hold partial or other bytes: never use them.
+
+    Raises:
+        ValueError: ``out`` reaches past its storage (nothing written).
     """
-    record = _header_for(value, namespace, _view_plan(out))
-    if isinstance(record, ReadStatus):
-        return record
-    digest = record.digest(value)
-    if record.payload_nbytes:
-        src = np.frombuffer(value, dtype=np.uint8, offset=HEADER_NBYTES)
-        dst = out.view(torch.uint8).numpy().reshape(-1)
-        for start in range(0, record.payload_nbytes, _READ_CHUNK_NBYTES):
-            piece = src[start : start + _READ_CHUNK_NBYTES]
-            digest.update(piece)  # brings the piece into cache for its copy: memory is read once
-            into = dst[start : start + _READ_CHUNK_NBYTES]
-            if not host_copy.copy_into(into, piece):  # streaming stores (kvtier.kernels.host_copy), else numpy
-                np.copyto(into, piece)
-    return check_record(record, digest.intdigest(), fingerprint)
+    return decode_into_view(value, namespace, out, fingerprint)
+
+
+def _hashed_header(value: memoryview) -> np.ndarray:
+    """The header bytes a record's checksum covers (all but the checksum itself), as uint8."""
+    return np.frombuffer(value, dtype=np.uint8, count=_HEADER.size)
 
 
 def check_record(record: RecordHeader, checksum: int, fingerprint: bytes | None) -> ReadStatus:
@@ -279,17 +275,22 @@ def _check_storage(out: torch.Tensor) -> None:
 
 def decode_into_view(value: memoryview, namespace: bytes, out: torch.Tensor, fingerprint: bytes | None = None) -> ReadStatus:
     """:func:`decode_into` into a destination of any strides (a block's place in a larger
-    buffer): the whole payload is hashed where it lies in ``value`` (bringing it into cache:
-    a block of SmolLM2-135M is 720 KiB, within L3), then copied from there into ``out`` row by
-    row with streaming stores (:func:`kvtier.kernels.host_copy.copy_into`; without the compiled
-    kernels, or for a place that is not evenly spaced rows, one strided numpy ``copyto``), so
-    the bytes delivered are the bytes hashed and memory is read once from DRAM. Per block
-    rather than in L2-sized chunks (512 KiB, one hash and one copy per chunk, as before):
-    ``before_prefill`` of a 1-4k token DISK hit 0.1-0.2x of a copy faster, 11 of 12
-    same-process pairs (bench/results/2026-12-02-disk-5). The numpy fallback rather than
-    ``Tensor.copy_`` for the strided copy: 1.35-1.59x vs 1.68-2.36x of one contiguous copy
-    with the hash (bench/results/2026-12-02-hit-3/micro/disk_read.py); the streaming copy with
-    the hash 0.95x (bench/results/2026-12-03-nt-gather).
+    buffer), in one pass over the payload where it lies in ``value``.
+
+    With the compiled host kernels and python-xxhash's exported xxh3
+    (:func:`kvtier.kernels.host_copy.hash_copy_rows`): each 64 KiB of the payload is hashed,
+    then copied from cache into ``out``'s rows with streaming stores, in one C call that
+    releases the GIL once per block (python-xxhash's hash, then the copy: two GIL round trips,
+    each of which may wait for the other I/O thread or the caller). The reads of a 1k-token
+    SmolLM2-135M prefix on a DISK hit's two I/O threads (64 blocks of 720 KiB, 32 a thread)
+    took 4.4-6.8 ms with the kernel, 5.4-7.8 ms without it, one copy of the same bytes
+    3.6-4.6 ms (two runs of four rounds on a noisy 2-core host,
+    bench/results/2026-12-03-fused-hash/views.log). Otherwise the
+    whole payload is hashed with python-xxhash (bringing it into cache: a block of
+    SmolLM2-135M is 720 KiB, within L2), then copied from there (``copy_rows``; one strided
+    numpy ``copyto`` without the kernels or for a place that is not evenly spaced rows); a
+    contiguous ``out`` in pieces of :data:`_READ_CHUNK_NBYTES`. Either way the bytes
+    delivered are the bytes hashed and memory is read once from DRAM.
 
     Args:
         value, namespace, fingerprint: as for :func:`decode_into` (``value`` must not
@@ -307,15 +308,26 @@ def decode_into_view(value: memoryview, namespace: bytes, out: torch.Tensor, fin
     record = _header_for(value, namespace, plan)
     if isinstance(record, ReadStatus):
         return record
-    digest = record.digest(value)
     nbytes, rows = plan[2:]
-    if nbytes:
-        src = np.frombuffer(value, dtype=np.uint8, offset=HEADER_NBYTES)
-        digest.update(src)
-        if out.device.type == "cpu":
-            _check_storage(out)
-        # rows of one block's place, streaming stores (kernels.host_copy); numpy without them
-        if rows is None or out.is_neg() or not host_copy.copy_rows(out.data_ptr(), rows, src):
-            dst = out.view(torch.uint8).numpy()  # the last dimension in bytes: same strides otherwise
-            np.copyto(dst, src.reshape(dst.shape))
-    return check_record(record, digest.intdigest(), fingerprint)
+    if not nbytes:
+        return check_record(record, record.digest(value).intdigest(), fingerprint)
+    src = np.frombuffer(value, dtype=np.uint8, offset=HEADER_NBYTES)
+    if out.device.type == "cpu":
+        _check_storage(out)
+    plain = rows is not None and not out.is_neg()  # rows at out's address (plans are keyed without the neg bit)
+    checksum = host_copy.hash_copy_rows(out.data_ptr(), rows, src, _hashed_header(value)) if plain else None
+    if checksum is None:  # without the kernels or python-xxhash's exported xxh3: hash, then copy from cache
+        digest = record.digest(value)
+        if plain and rows[0] == 1:  # contiguous: in pieces of _READ_CHUNK_NBYTES
+            for start in range(0, nbytes, _READ_CHUNK_NBYTES):
+                piece = src[start : start + _READ_CHUNK_NBYTES]
+                digest.update(piece)
+                if not host_copy.copy_rows(out.data_ptr() + start, (1, piece.size, piece.size), piece):
+                    np.copyto(out.view(torch.uint8).numpy().reshape(-1)[start : start + piece.size], piece)
+        else:
+            digest.update(src)
+            if not plain or not host_copy.copy_rows(out.data_ptr(), rows, src):
+                dst = out.view(torch.uint8).numpy()  # the last dimension in bytes: same strides otherwise
+                np.copyto(dst, src.reshape(dst.shape))
+        checksum = digest.intdigest()
+    return check_record(record, checksum, fingerprint)

@@ -5,14 +5,17 @@ either way."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import numpy as np
 import pytest
 import torch
 
+import xxhash
+
 from kvtier.kernels import host_copy
-from kvtier.records import decode_into, decode_into_view, encode_record
+from kvtier.records import HEADER_NBYTES, decode_into, decode_into_view, encode_record
 
 pytestmark = pytest.mark.skipif(not host_copy.available(), reason="no C compiler: the numpy fallback runs instead")
 
@@ -154,10 +157,12 @@ def test_unavailable_kernels_copy_nothing_and_the_callers_fall_back(kernels_off)
     assert torch.equal(out[..., : spec.block_size, :], pool[1])
 
 
-@pytest.mark.parametrize("kernels", ["compiled", "numpy"])
+@pytest.mark.parametrize("kernels", ["compiled", "compiled, python-xxhash", "numpy"])
 def test_records_decode_the_same_bytes_with_or_without_the_kernels(request, monkeypatch, kernels):
     if kernels == "numpy":
         request.getfixturevalue("kernels_off")
+    if kernels == "compiled, python-xxhash":  # the copies compiled, the hash python-xxhash's (no exported xxh3)
+        monkeypatch.setattr(host_copy, "_hashing", False)
     monkeypatch.setattr(host_copy, "STREAMING_MIN_NBYTES", 0)
     block = torch.randn(2, 2, 3, 16, 8)
     record = memoryview(encode_record(b"n" * 32, block, 1))
@@ -273,3 +278,79 @@ def test_a_library_others_can_write_is_not_loaded(tmp_path, monkeypatch, caplog)
     with caplog.at_level(logging.WARNING, logger="kvtier.kernels.host_copy"):
         assert host_copy.library() is None
     assert "writable by" in caplog.text
+
+
+needs_hashing = pytest.mark.skipif(not host_copy._hashing, reason="python-xxhash exports no xxh3: records are hashed by python-xxhash, then copied")
+
+
+@needs_hashing
+@pytest.mark.parametrize("rows, row_nbytes, chunk", [(1, 300_001, 4096), (1, 300_001, 1 << 20), (37, 4096, 16384),
+                                                     (37, 4103, 4096), (5, 24, 64), (3, 0, 64)])
+@pytest.mark.parametrize("offset", [0, 3])
+def test_hash_copy_rows_hashes_as_xxhash_and_copies_as_numpy(streaming, monkeypatch, rows, row_nbytes, chunk, offset):
+    # both loops of the kernel: rows longer than a chunk (hashed and copied in chunks) and
+    # rows shorter (whole rows a chunk), each row to its place in a larger buffer
+    monkeypatch.setattr(host_copy, "HASH_CHUNK_NBYTES", chunk)
+    src = _bytes(rows * row_nbytes, rows + row_nbytes)
+    prefix = _bytes(120, offset)
+    out = _at(offset, (rows, row_nbytes + 40))
+    digest = host_copy.hash_copy_rows(out.ctypes.data, (rows, row_nbytes, row_nbytes + 40), src, prefix)
+    assert digest == xxhash.xxh3_64(prefix.tobytes() + src.tobytes()).intdigest()
+    assert np.array_equal(out[:, :row_nbytes], src.reshape(rows, row_nbytes)) and not out[:, row_nbytes:].any()
+
+
+@needs_hashing
+def test_hash_copy_rows_copies_nothing_without_the_bound_hash_or_into_its_source(monkeypatch):
+    src = _bytes(8192, 1)
+    out = np.zeros(8192, np.uint8)
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        host_copy.hash_copy_rows(out.ctypes.data, (2, 4096, 4096), src[:4096], _bytes(120, 0))
+    assert host_copy.hash_copy_rows(src.ctypes.data + 100, (2, 4096, 4096), src, _bytes(120, 0)) is None  # overlap
+    monkeypatch.setattr(host_copy, "_hashing", False)
+    assert host_copy.hash_copy_rows(out.ctypes.data, (2, 4096, 4096), src, _bytes(120, 0)) is None
+    assert not out.any()
+
+
+def test_the_fused_hash_is_bound_wherever_python_xxhash_exports_xxh3():
+    # the load-time check (_bind_xxh3) refuses a kernel that hashes wrong; here a refusal fails
+    # instead of skipping the fused tests wherever python-xxhash exports what it needs
+    import xxhash._xxhash as extension
+
+    exported = ctypes.CDLL(extension.__file__)
+    if not all(any(hasattr(exported, name) for name in names) for names in host_copy._XXH3_SYMBOLS):
+        pytest.skip("this python-xxhash exports no xxh3: DISK reads hash with python-xxhash, then copy")
+    assert host_copy._hashing is True
+
+
+@needs_hashing
+def test_xxh3_bound_only_when_it_hashes_as_python_xxhash(monkeypatch, caplog):
+    lib = host_copy.library()
+    try:
+        # a function that is not xxh3's update (reset ignores the data): the check refuses it
+        monkeypatch.setattr(host_copy, "_XXH3_SYMBOLS", (("XXH3_createState",), ("XXH3_freeState",),
+                                                         ("XXH3_64bits_reset",), ("XXH3_64bits_reset",),
+                                                         ("XXH3_64bits_digest",)))
+        with caplog.at_level(logging.WARNING, logger="kvtier.kernels.host_copy"):
+            assert host_copy._bind_xxh3(lib) is False
+        assert "failed kvtier's check" in caplog.text
+        digest = ctypes.c_uint64()
+        assert lib.kvt_hash_copy_rows(ctypes.byref(digest), None, 0, None, 0, None, 0, 0, 64, 0) == -1  # unbound
+        monkeypatch.setattr(host_copy, "_XXH3_SYMBOLS", (("XXH3_no_such_symbol",),) * 5)
+        assert host_copy._bind_xxh3(lib) is False  # an extension that exports none: python-xxhash, then the copy
+    finally:
+        monkeypatch.undo()
+        assert host_copy._bind_xxh3(lib) is True
+
+
+@needs_hashing
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("decoder", [decode_into, decode_into_view])
+def test_a_byte_flipped_in_any_chunk_of_the_payload_is_corrupt(monkeypatch, where, decoder):
+    monkeypatch.setattr(host_copy, "HASH_CHUNK_NBYTES", 4096)  # 12 chunks
+    block = torch.randn(2, 2, 3, 16, 8)  # 6 KiB a K/V half, 48 KiB in all
+    record = bytearray(encode_record(b"n" * 32, block, 1))
+    out = torch.zeros_like(block)
+    assert decoder(memoryview(bytes(record)), b"n" * 32, out).value == "ok" and torch.equal(out, block)
+    payload = len(record) - HEADER_NBYTES
+    record[HEADER_NBYTES + {"first": 5, "middle": payload // 2, "last": payload - 1}[where]] ^= 1
+    assert decoder(memoryview(bytes(record)), b"n" * 32, torch.zeros_like(block)).value == "corrupt"
