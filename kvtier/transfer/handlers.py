@@ -185,9 +185,9 @@ class DiskHandler(_IOHandler):
             except Exception as exc:
                 logger.warning("DISK read of %d blocks failed: %s", n, exc)
             finally:
-                job.sinks = None  # the caller's buffer is its own again (it reuses it when no one else holds it)
-                if job.delivery is not None:
+                if job.delivery is not None:  # first: dropping the sinks' views takes ~3 us each, with the GIL
                     job.delivery.set([status == ReadStatus.OK.value for status in statuses])
+                job.sinks = None  # the caller's buffer is its own again (it reuses it when no one else holds it)
 
             if job.gate is not None:  # after the prefix's last delivery: all of its promotions as one task
                 job.gate.arrive(partial(finish, statuses), run=self._in_pool)
