@@ -109,19 +109,8 @@ void kvt_bind_xxh3(void *create, void *free_state, void *reset, void *update, vo
     xxh3_digest = (kvt_xxh3_digest)digest;
 }
 
-/* *digest = xxh3-64 of prefix[0:prefix_nbytes] followed by rows x row_nbytes contiguous bytes
- * of src, copying row r to dst + r * dst_stride as it goes: each chunk of about chunk_nbytes
- * (whole rows) is hashed first, which brings it into cache, then copied from there. Returns
- * 0, or -1 (nothing written) when the hash is not bound or its state cannot be allocated. */
-int kvt_hash_copy_rows(uint64_t *digest, const char *prefix, int64_t prefix_nbytes, char *dst, int64_t dst_stride,
-                       const char *src, int64_t rows, int64_t row_nbytes, int64_t chunk_nbytes, int streaming) {
-    if (!xxh3_create)
-        return -1;
-    void *state = xxh3_create();
-    if (!state)
-        return -1;
-    xxh3_reset(state);
-    xxh3_update(state, prefix, (size_t)prefix_nbytes);
+static void hash_copy(void *state, char *dst, int64_t dst_stride, const char *src, int64_t rows, int64_t row_nbytes,
+                      int64_t chunk_nbytes, int streaming) {
     if (row_nbytes >= chunk_nbytes) { /* long rows (a contiguous payload is one): each in chunks */
         for (int64_t r = 0; r < rows; r++) {
             for (int64_t at = 0; at < row_nbytes; at += chunk_nbytes) {
@@ -139,8 +128,48 @@ int kvt_hash_copy_rows(uint64_t *digest, const char *prefix, int64_t prefix_nbyt
                 copy_piece(dst + j * dst_stride, src + j * row_nbytes, row_nbytes, streaming);
         }
     }
+}
+
+/* *digest = xxh3-64 of prefix[0:prefix_nbytes] followed by rows x row_nbytes contiguous bytes
+ * of src, copying row r to dst + r * dst_stride as it goes: each chunk of about chunk_nbytes
+ * (whole rows) is hashed first, which brings it into cache, then copied from there. Returns
+ * 0, or -1 (nothing written) when the hash is not bound or its state cannot be allocated. */
+int kvt_hash_copy_rows(uint64_t *digest, const char *prefix, int64_t prefix_nbytes, char *dst, int64_t dst_stride,
+                       const char *src, int64_t rows, int64_t row_nbytes, int64_t chunk_nbytes, int streaming) {
+    if (!xxh3_create)
+        return -1;
+    void *state = xxh3_create();
+    if (!state)
+        return -1;
+    xxh3_reset(state);
+    xxh3_update(state, prefix, (size_t)prefix_nbytes);
+    hash_copy(state, dst, dst_stride, src, rows, row_nbytes, chunk_nbytes, streaming);
     fence(streaming);
     *digest = xxh3_digest(state);
+    xxh3_free(state);
+    return 0;
+}
+
+/* kvt_hash_copy_rows for num_blocks blocks of one layout in one call (one GIL release for a
+ * whole DISK read job): block b's prefix at records[b], its payload at records[b] +
+ * payload_offset, its rows to dsts[b] + r * dst_stride, its digest to digests[b]. */
+int kvt_hash_copy_blocks(uint64_t *digests, const int64_t *records, int64_t prefix_nbytes, int64_t payload_offset,
+                         const int64_t *dsts, int64_t dst_stride, int64_t num_blocks, int64_t rows, int64_t row_nbytes,
+                         int64_t chunk_nbytes, int streaming) {
+    if (!xxh3_create)
+        return -1;
+    void *state = xxh3_create();
+    if (!state)
+        return -1;
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const char *record = (const char *)(intptr_t)records[b];
+        xxh3_reset(state);
+        xxh3_update(state, record, (size_t)prefix_nbytes);
+        hash_copy(state, (char *)(intptr_t)dsts[b], dst_stride, record + payload_offset, rows, row_nbytes, chunk_nbytes,
+                  streaming);
+        digests[b] = xxh3_digest(state);
+    }
+    fence(streaming);
     xxh3_free(state);
     return 0;
 }

@@ -129,6 +129,8 @@ def _load() -> ctypes.CDLL | None:
     lib.kvt_hash_copy_rows.restype = ctypes.c_int
     lib.kvt_hash_copy_rows.argtypes = [ctypes.POINTER(ctypes.c_uint64), _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64,
                                        ctypes.c_int]
+    lib.kvt_hash_copy_blocks.restype = ctypes.c_int
+    lib.kvt_hash_copy_blocks.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_int]
     global _hashing
     _hashing = _bind_xxh3(lib)
     return lib
@@ -427,3 +429,52 @@ def hash_copy_rows(dst_address: int, layout: tuple[int, int, int], src: np.ndarr
                               int(src.size >= STREAMING_MIN_NBYTES)) != 0:
         return None
     return digest.value
+
+
+def hash_copy_blocks(dst_addresses: np.ndarray, layout: tuple[int, int, int], records: Sequence[np.ndarray],
+                     prefix_nbytes: int, payload_offset: int) -> np.ndarray | None:
+    """:func:`hash_copy_rows` for many blocks of one layout in one call (the GIL released once for
+    them all): block ``b``'s digest is the xxh3-64 of ``records[b][:prefix_nbytes]`` followed by
+    its payload ``records[b][payload_offset:]``, whose rows go to ``dst_addresses[b] + r *
+    row_stride``.
+
+    Args:
+        dst_addresses: ``[n]`` int64, each a destination the caller vouches for (``layout``'s
+            rows there are writable memory it owns, the blocks' places do not overlap).
+        layout: ``(rows, row_nbytes, row_stride)`` (:func:`row_layout`), every block's.
+        records: ``n`` C-contiguous uint8 arrays of exactly ``payload_offset + rows *
+            row_nbytes`` bytes (``prefix_nbytes <= payload_offset``).
+
+    Returns:
+        ``[n]`` uint64 digests; ``None`` (nothing copied) when the kernels or the bound xxh3
+        are unavailable, or a destination range overlaps a record: the caller decodes each
+        block on its own.
+
+    Raises:
+        ValueError: a record of another size, dtype or layout, or mismatched lengths.
+    """
+    lib = library()
+    if lib is None or not _hashing:
+        return None
+    rows, row_nbytes, row_stride = layout
+    n = len(records)
+    if len(dst_addresses) != n or not 0 <= prefix_nbytes <= payload_offset:
+        raise ValueError(f"expected one destination per record ({n}) and a prefix within the header, got "
+                         f"{len(dst_addresses)} and {prefix_nbytes} of {payload_offset}")
+    if not n:
+        return np.zeros(0, np.uint64)
+    nbytes = payload_offset + rows * row_nbytes
+    for record in records:
+        _check_source(record, nbytes)
+    starts = np.fromiter((r.ctypes.data for r in records), np.int64, n)
+    dsts = np.ascontiguousarray(dst_addresses, dtype=np.int64)
+    span = (rows - 1) * row_stride + row_nbytes if rows else 0
+    lo, hi = dsts.min(), dsts.max() + span  # every destination lies in [lo, hi)
+    if np.any((starts < hi) & (starts + nbytes > lo)):
+        return None  # a record inside the destinations' range: left to the caller's per-block copies
+    digests = np.empty(n, np.uint64)
+    if lib.kvt_hash_copy_blocks(digests.ctypes.data, starts.ctypes.data, prefix_nbytes, payload_offset, dsts.ctypes.data,
+                                row_stride, n, rows, row_nbytes, HASH_CHUNK_NBYTES,
+                                int(n * rows * row_nbytes >= STREAMING_MIN_NBYTES)) != 0:
+        return None
+    return digests

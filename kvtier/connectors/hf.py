@@ -81,7 +81,7 @@ from kvtier.connectors.hf_cache import (
     HostHitBuffer,
     LayerGather,
     UnsupportedModelError,
-    block_views,
+    block_places,
     cache_from_layers,
     cache_kwarg,
     cache_layers,
@@ -96,6 +96,7 @@ from kvtier.connectors.hf_media import PromptMedia, prompt_media
 from kvtier.connectors.ttft import ForwardTimer, PrefillRate
 from kvtier.hashing import KeyContext, LazyContentKeys, block_hashes_for, block_keys_for
 from kvtier.model_keys import kv_config_bytes, kv_config_fields
+from kvtier.records import BlockPlaces
 from kvtier.store import PrefetchHandle, ResetResult, TieredStore
 from kvtier.store.misses import Explanation
 from kvtier.store.results import PromptInfo
@@ -364,17 +365,17 @@ class HFConnector:
         return PrefetchTicket(block_hashes, handle, fingerprints=fingerprints, media=prompt_media,
                               buffer=taken[0] if taken else None)
 
-    def _sinks(self, taken: list[torch.Tensor], num_blocks: int) -> list[torch.Tensor] | None:
+    def _sinks(self, taken: list[torch.Tensor], num_blocks: int) -> BlockPlaces | None:
         """Block ``i``'s place in the hit buffer (``[num_layers, 2, num_kv_heads, num_tokens,
-        head_dim]``, :meth:`HostHitBuffer.take`) as a tensor of the spec's block shape, one per
-        block; the buffer goes to ``taken``. ``None`` when the buffer is not free (the store
-        calls this under its lock, with the number of blocks it planned)."""
+        head_dim]``, :meth:`HostHitBuffer.take`) in the spec's block shape, one per block
+        (:func:`block_places`); the buffer goes to ``taken``. ``None`` when the buffer is not
+        free (the store calls this under its lock, with the number of blocks it planned)."""
         spec, size = self.store.spec, self.block_size
         kv = self._hit_buffer.take(num_blocks * size)
         if kv is None:
             return None
         taken.append(kv)
-        return block_views(spec, kv)
+        return block_places(spec, kv)
 
     def explain(self, input_ids: torch.Tensor | Sequence[int], *, media: Any = None) -> Explanation:
         """Where each block of the prompt would hit now and why the rest would miss (counts

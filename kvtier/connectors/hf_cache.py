@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from kvtier.kernels import gather_blocks_to_contiguous, host_copy, scatter_contiguous_to_blocks, use_triton
+from kvtier.records import BlockPlaces
 from kvtier.tiers.host_memory import host_empty
 from kvtier.types import KVSpec, LayerGroup
 
@@ -388,8 +389,7 @@ def gather_into(spec: KVSpec, pool: torch.Tensor, out: torch.Tensor, block_ids: 
 
 def block_views(spec: KVSpec, out: torch.Tensor) -> list[torch.Tensor]:
     """Each block's place in ``out`` as a tensor of ``spec.block_shape`` (views, no copy):
-    the destinations :func:`gather_into` writes, for a DISK read to write itself
-    (``TieredStore.prefetch(sinks=...)``).
+    the destinations :func:`gather_into` writes.
 
     Args:
         spec: a uniform spec.
@@ -404,6 +404,16 @@ def block_views(spec: KVSpec, out: torch.Tensor) -> list[torch.Tensor]:
     blocks = out.view(layers, 2, heads, tokens // spec.block_size, spec.block_size, dim)
     order = (3, 0, 1, 2, 4, 5) if spec.head_major else (3, 0, 1, 4, 2, 5)
     return list(blocks.permute(order).unbind(0))
+
+
+def block_places(spec: KVSpec, out: torch.Tensor) -> BlockPlaces:
+    """:func:`block_views` as a :class:`~kvtier.records.BlockPlaces` (block ``i``'s place is
+    block 0's moved by ``i * block_size * head_dim`` elements), for a DISK read to write each
+    block there itself without a view per block (``TieredStore.prefetch(sinks=...)``)."""
+    first = out[:, :, :, : spec.block_size]
+    if not spec.head_major:
+        first = first.permute(0, 1, 3, 2, 4)
+    return BlockPlaces(first, spec.block_size * out.shape[-1], range(out.shape[3] // spec.block_size))
 
 
 def cache_from_layers(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> Any:

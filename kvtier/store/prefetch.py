@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Iterator, Sequence
 
+from kvtier.records import BlockPlaces
 from kvtier.store import misses
 from kvtier.store.misses import Miss, MissMemory
 from kvtier.store.placement import Placement
@@ -286,10 +287,10 @@ class Prefetcher:
         (``walked_generation``: a reset came in between, and may be emptying REMOTE) are not
         trusted. ``sinks``: called (under the lock: keep it short) with the number of blocks
         planned when some come from DISK straight into a host-memory top pool; returns a
-        second destination per block (a tensor of the block's shape, any strides) or
-        ``None``: the DISK reads then write each block's verified bytes there too, from
-        cache (``handle.sunk``; the HF connector's hit buffer, so a DISK hit is not gathered
-        again from the pool)."""
+        second destination per block (tensors of the block's shape, any strides, or a
+        :class:`~kvtier.records.BlockPlaces`) or ``None``: the DISK reads then write each
+        block's verified bytes there too, from cache (``handle.sunk``; the HF connector's hit
+        buffer, so a DISK hit is not gathered again from the pool)."""
         remote_ok = walked_generation is None or self._residency.is_current(walked_generation)
         walked = self._chain(block_hashes, media, fingerprints, remote_ok)
         unserved: list[Miss] = []
@@ -418,7 +419,8 @@ class Prefetcher:
                 job = TransferJob(source, dst, [plans[i].block_hash for i in part], dst_ids=ids,
                                   fingerprints=[plans[i].expected for i in part])
                 if gate is not None:
-                    job.sinks, job.delivery, job.gate = [views[i] for i in part], Delivery(), gate
+                    sinks = views.subset(part) if isinstance(views, BlockPlaces) else [views[i] for i in part]
+                    job.sinks, job.delivery, job.gate = sinks, Delivery(), gate
                     handle.sunk = handle.sunk | frozenset(part)
                 try:
                     job_id = self.engine.submit(job)

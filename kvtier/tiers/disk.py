@@ -66,8 +66,8 @@ except ImportError:  # only the DISK tier needs it; GPU/CPU tiers run without
     lmdb = None  # type: ignore[assignment]
 
 from kvtier.records import (
-    HEADER_NBYTES, VERSION, ReadStatus, decode_into, decode_into_view, encode_header, encode_record, parse_header,
-    record_version,
+    HEADER_NBYTES, VERSION, BlockPlaces, ReadStatus, decode_into, decode_into_places, decode_into_view, encode_header,
+    encode_record, parse_header, record_version,
 )
 from kvtier.tiers.disk_index import DiskIndex, IndexDamaged, IndexEntry, open_index, remove_index
 from kvtier.tiers.host_memory import MADV_HUGEPAGE
@@ -404,22 +404,24 @@ class DiskTier:
             return decode_into(value, namespace, out, expected)
 
     def read_into_views(
-        self, block_hashes: Sequence[BlockHash], namespace: bytes, views: Sequence[torch.Tensor],
+        self, block_hashes: Sequence[BlockHash], namespace: bytes, views: "Sequence[torch.Tensor] | BlockPlaces",
         fingerprints: Sequence[Fingerprint | None],
     ) -> list[ReadStatus]:
         """:meth:`read_into` of several blocks, each straight into its place in a caller's
-        buffer (``views``: tensors of the block's shape and dtype, any strides), verified
-        while it is copied (:func:`kvtier.records.decode_into_view`: one pass over its
-        bytes), from one read transaction. ``fingerprints``: ``[n]``, as for
-        :meth:`read_into`. Returns each block's status; a view whose block is not ``OK``
-        must not be used. Thread-safe; changes no index state, as :meth:`read_into`."""
-        statuses = []
+        buffer (``views``: tensors of the block's shape and dtype, any strides, or a
+        :class:`~kvtier.records.BlockPlaces`), verified while it is copied (one pass over its
+        bytes: :func:`kvtier.records.decode_into_places` for places, all of them in one
+        kernel call; :func:`kvtier.records.decode_into_view` per tensor), from one read
+        transaction. ``fingerprints``: ``[n]``, as for :meth:`read_into`. Returns each block's
+        status; a view whose block is not ``OK`` must not be used. Thread-safe; changes no
+        index state, as :meth:`read_into`."""
+        expected = [f if f is not None else self._fingerprints.get(h) for h, f in zip(block_hashes, fingerprints)]
         with self.env.begin(buffers=True) as txn:
-            for h, view, fingerprint in zip(block_hashes, views, fingerprints):
-                expected = fingerprint if fingerprint is not None else self._fingerprints.get(h)
-                value = txn.get(h)
-                statuses.append(ReadStatus.MISSING if value is None else decode_into_view(value, namespace, view, expected))
-        return statuses
+            values = [txn.get(h) for h in block_hashes]
+            if isinstance(views, BlockPlaces):
+                return decode_into_places(values, namespace, views, expected)
+            return [ReadStatus.MISSING if value is None else decode_into_view(value, namespace, view, fingerprint)
+                    for value, view, fingerprint in zip(values, views, expected)]
 
     # -- lifecycle -------------------------------------------------------------------------
     def flush(self) -> None:

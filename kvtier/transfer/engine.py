@@ -25,7 +25,7 @@ import traceback
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from kvtier.types import BlockHash, Medium
 
@@ -45,7 +45,8 @@ class TransferJob:
             carry (``None`` entries, or ``None``: not checked against a request's tokens),
             ``[n]``; a block that carries another is failed with reason ``"token_mismatch"``.
         sinks: for a DISK read into a host-memory pool, a first destination per block
-            (``None``: none), ``[n]`` tensors of the block's shape, any strides: each block
+            (``None``: none), ``[n]`` tensors of the block's shape, any strides, or a
+            :class:`~kvtier.records.BlockPlaces` of ``n`` places: each block
             is read and verified into its sink (``DiskTier.read_into_views``), ``delivery``
             is set and ``sinks`` dropped, then the blocks are read into their slots in a
             second task (``DiskHandler.start``).
@@ -62,7 +63,7 @@ class TransferJob:
     src_ids: list[int] | None = None
     dst_ids: list[int] | None = None
     fingerprints: list[bytes | None] | None = None
-    sinks: list[Any] | None = None
+    sinks: Sequence[Any] | None = None
     delivery: "Delivery | None" = None
     gate: "DeliveryGate | None" = None
     job_id: int = -1

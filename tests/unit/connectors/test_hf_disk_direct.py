@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kvtier.connectors import hf
-from kvtier.records import HEADER_NBYTES, ReadStatus, decode_into_view, encode_record
+from kvtier.kernels import host_copy
+from kvtier.records import HEADER_NBYTES, BlockPlaces, ReadStatus, decode_into_places, decode_into_view, encode_record
 from kvtier.store import prefetch
 from kvtier.types import Medium
 from tests.conftest import flip_byte, patch_record
@@ -403,3 +404,53 @@ def test_reads_into_the_hit_buffer_run_as_one_job_per_io_thread(model, tmp_path,
     assert len(runs) == min(6, threads) and sum(runs) == 6 and max(runs) - min(runs) <= 1
     kv.finish_loads()
     kv.close()
+
+
+@pytest.mark.parametrize("kernels", ["one call", "per block (python-xxhash)", "numpy"])
+def test_decode_into_places_gives_each_record_its_bytes_or_its_status(request, monkeypatch, kernels):
+    # the batch path (every intact-looking record hashed and copied in one kernel call) and the
+    # per-block fallbacks give each place the same bytes and each block the same status
+    if kernels == "numpy":
+        monkeypatch.setattr(host_copy, "_library", None)
+        monkeypatch.setattr(host_copy, "_loaded", True)
+    elif kernels == "per block (python-xxhash)":
+        monkeypatch.setattr(host_copy, "_hashing", False)
+    elif not host_copy._hashing:
+        pytest.skip("no compiled kernels or no exported xxh3 here")
+    monkeypatch.setattr(host_copy, "STREAMING_MIN_NBYTES", 0)
+    blocks = [torch.randn(3, 2, 2, BLOCK, 16) for _ in range(6)]
+    values = [memoryview(encode_record(NS, b, 1, b"f" * 32).tobytes()) for b in blocks]
+    damaged = bytearray(values[2])
+    damaged[HEADER_NBYTES + 7] ^= 1
+    values[2] = memoryview(bytes(damaged))  # corrupt
+    values[3] = None  # missing
+    values[4] = memoryview(encode_record(b"m" * 32, blocks[4], 1, b"f" * 32).tobytes())  # another namespace
+    fingerprints = [b"f" * 32] * 6
+    fingerprints[5] = b"g" * 32  # intact, other tokens
+    big = torch.zeros(3, 2, 2, 7 * BLOCK, 16)
+    first = big[:, :, :, :BLOCK]
+    places = BlockPlaces(first, BLOCK * 16, [6, 0, 1, 2, 3, 4])  # place k of block k: out of order
+    statuses = decode_into_places(values, NS, places, fingerprints)
+    assert statuses == [ReadStatus.OK, ReadStatus.OK, ReadStatus.CORRUPT, ReadStatus.MISSING, ReadStatus.CORRUPT,
+                        ReadStatus.TOKEN_MISMATCH]
+    assert torch.equal(big[:, :, :, 6 * BLOCK :], blocks[0]) and torch.equal(big[:, :, :, :BLOCK], blocks[1])
+    assert torch.count_nonzero(big[:, :, :, 3 * BLOCK : 4 * BLOCK]) == 0  # the missing block's place: untouched
+    assert torch.count_nonzero(big[:, :, :, 5 * BLOCK : 6 * BLOCK]) == 0  # nobody's place
+
+
+def test_block_places_refuse_places_outside_their_buffer_and_bad_steps():
+    big = torch.zeros(3, 2, 2, 4 * BLOCK, 16)
+    first = big[:, :, :, :BLOCK]
+    assert len(BlockPlaces(first, BLOCK * 16, range(4))) == 4
+    with pytest.raises(ValueError, match="storage"):
+        BlockPlaces(first, BLOCK * 16, range(5))  # the fifth place is past the buffer
+    for step in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="step"):
+            BlockPlaces(first, step, range(2))
+    for positions in ([-1], [0.5], [True]):
+        with pytest.raises(ValueError, match="positions"):
+            BlockPlaces(first, BLOCK * 16, positions)
+    with pytest.raises(ValueError, match="CPU"):
+        BlockPlaces(torch.zeros(3, 2, 2, BLOCK, 16, device="meta"), BLOCK * 16, [0])
+    with pytest.raises(ValueError, match="one place"):
+        decode_into_places([None, None], NS, BlockPlaces(first, BLOCK * 16, [0]), [None, None])

@@ -10,6 +10,7 @@ import torch
 from kvtier.connectors.hf_cache import (
     HostHitBuffer,
     LayerGather,
+    block_places,
     block_views,
     cache_from_layers,
     cache_layers,
@@ -227,3 +228,17 @@ def test_cache_layers_are_shallow_copies_of_the_template_holding_the_given_tenso
             return new
 
     assert _layer_copier(Custom())().copies == 1
+
+
+@pytest.mark.parametrize("spec", [UNIFORM, HEAD_MAJOR], ids=["token-major", "head-major"])
+def test_block_places_are_the_block_views(spec: KVSpec) -> None:
+    """block_places(spec, out)[i] is block_views(spec, out)[i]: same shape, strides and
+    address; a subset keeps the order asked for; addresses() are the views' data_ptrs."""
+    out = torch.randn(3, 2, 2, 5 * BLOCK, 8)
+    views, places = block_views(spec, out), block_places(spec, out)
+    assert len(places) == len(views) == 5
+    for view, place in zip(views, [places[i] for i in range(5)]):
+        assert (place.shape, place.stride(), place.data_ptr()) == (view.shape, view.stride(), view.data_ptr())
+    subset = places.subset([4, 0, 2])
+    assert [v.data_ptr() for v in (subset[0], subset[1], subset[2])] == [views[i].data_ptr() for i in (4, 0, 2)]
+    assert subset.addresses().tolist() == [views[i].data_ptr() for i in (4, 0, 2)]

@@ -354,3 +354,34 @@ def test_a_byte_flipped_in_any_chunk_of_the_payload_is_corrupt(monkeypatch, wher
     payload = len(record) - HEADER_NBYTES
     record[HEADER_NBYTES + {"first": 5, "middle": payload // 2, "last": payload - 1}[where]] ^= 1
     assert decoder(memoryview(bytes(record)), b"n" * 32, torch.zeros_like(block)).value == "corrupt"
+
+
+@needs_hashing
+def test_hash_copy_blocks_is_hash_copy_rows_for_each_block(streaming, monkeypatch):
+    monkeypatch.setattr(host_copy, "HASH_CHUNK_NBYTES", 4096)
+    rows, row_nbytes, stride = 7, 1000, 1064
+    records = [_bytes(128 + rows * row_nbytes, seed) for seed in range(5)]
+    out = np.zeros((5, rows, stride), np.uint8)
+    order = [3, 0, 4, 1, 2]  # block b to place order[b]
+    addresses = np.array([out[k].ctypes.data for k in order], dtype=np.int64)
+    digests = host_copy.hash_copy_blocks(addresses, (rows, row_nbytes, stride), records, 120, 128)
+    assert digests.tolist() == [xxhash.xxh3_64(r[:120].tobytes() + r[128:].tobytes()).intdigest() for r in records]
+    for b, k in enumerate(order):
+        assert np.array_equal(out[k, :, :row_nbytes], records[b][128:].reshape(rows, row_nbytes))
+    assert not out[:, :, row_nbytes:].any()
+
+
+@needs_hashing
+def test_hash_copy_blocks_checks_its_records_and_leaves_overlap_and_no_hash_to_the_caller(monkeypatch):
+    records = [_bytes(128 + 4096, 0), _bytes(128 + 4096, 1)]
+    out = np.zeros((2, 4096), np.uint8)
+    addresses = np.array([out[0].ctypes.data, out[1].ctypes.data], dtype=np.int64)
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        host_copy.hash_copy_blocks(addresses, (1, 4096, 4096), [records[0], records[1][:-1]], 120, 128)
+    with pytest.raises(ValueError, match="one destination per record"):
+        host_copy.hash_copy_blocks(addresses[:1], (1, 4096, 4096), records, 120, 128)
+    inside = np.array([records[1].ctypes.data + 200, out[1].ctypes.data], dtype=np.int64)
+    assert host_copy.hash_copy_blocks(inside, (1, 4096, 4096), records, 120, 128) is None  # into a record
+    monkeypatch.setattr(host_copy, "_hashing", False)
+    assert host_copy.hash_copy_blocks(addresses, (1, 4096, 4096), records, 120, 128) is None
+    assert not out.any()
