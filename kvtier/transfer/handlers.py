@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from kvtier.records import ReadStatus
+from kvtier.records import BlockPlaces, ReadStatus
 from kvtier.tiers.backend import RemoteBackend
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.pool import BlockPool
@@ -211,24 +211,35 @@ class DiskHandler(_IOHandler):
             task()
 
     def _read_slots(self, job: TransferJob, statuses: list[str]) -> JobResult:
-        """Each block whose status is still ``ok`` is read into its slot and verified there
-        (:meth:`DiskTier.read_into`); the others keep their status. A plain read starts with
-        every block ``ok``; a read with sinks (its second task) passes what the reads into its
-        sinks found."""
-        ok: list[bool] = []
-        reasons: dict[int, str] = {}
+        """Each block whose status is still ``ok`` is read into its slot and verified there;
+        the others keep their status. A plain read starts with every block ``ok``; a read with
+        sinks (its second task) passes what the reads into its sinks found. The blocks go in
+        one :meth:`DiskTier.read_into_views` (the slots as :class:`BlockPlaces`: one read
+        transaction, one kernel call, the GIL released once); if that raises, one
+        :meth:`DiskTier.read_into` each, so that one bad read fails one block, not the job."""
+        statuses = list(statuses)
         expected = job.fingerprints or [None] * len(job.block_hashes)
-        for i, (h, slot, fingerprint) in enumerate(zip(job.block_hashes, job.dst_ids, expected)):
-            status = statuses[i]
-            if status == ReadStatus.OK.value:
-                try:
-                    status = self.disk.read_into(h, self.namespace, self.pool.tensor[slot], fingerprint).value
-                except Exception as exc:  # one bad read fails one block, not the job
-                    logger.warning("DISK read of block %s failed: %s", h.hex()[:16], exc)
-                    status = "error"
-            ok.append(status == ReadStatus.OK.value)
-            if not ok[-1]:
-                reasons[i] = status
+        todo = [i for i, status in enumerate(statuses) if status == ReadStatus.OK.value]
+        tensor = self.pool.tensor
+        if len(todo) > 1:
+            try:
+                places = BlockPlaces(tensor[0], tensor.stride(0), [job.dst_ids[i] for i in todo])
+                read = self.disk.read_into_views([job.block_hashes[i] for i in todo], self.namespace, places,
+                                                 [expected[i] for i in todo])
+                for i, status in zip(todo, read):
+                    statuses[i] = status.value
+                todo = []
+            except Exception as exc:
+                logger.warning("DISK read of %d blocks failed (%s): reading them one by one", len(todo), exc)
+        for i in todo:
+            h = job.block_hashes[i]
+            try:
+                statuses[i] = self.disk.read_into(h, self.namespace, tensor[job.dst_ids[i]], expected[i]).value
+            except Exception as exc:  # one bad read fails one block, not the job
+                logger.warning("DISK read of block %s failed: %s", h.hex()[:16], exc)
+                statuses[i] = "error"
+        ok = [status == ReadStatus.OK.value for status in statuses]
+        reasons = {i: status for i, status in enumerate(statuses) if status != ReadStatus.OK.value}
         return JobResult(job.job_id, ok, reasons, sum(ok) * self.pool.spec.block_nbytes)
 
     def _write(self, job: TransferJob) -> JobResult:

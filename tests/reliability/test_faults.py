@@ -79,7 +79,11 @@ def test_disk_read_fault_is_a_miss_from_that_block_on_counted_by_reason(stores, 
     plan = FaultPlan([Fault("read", kind, keys={hashes[2]})])
     with inject_disk_faults(store, plan):
         result = store.load(hashes)
-    assert plan.count(op="read", kind=kind) == 1
+    # a read that raises (error, readers_full) fails its job's batch read, whose blocks are then
+    # read one by one (the handler's fallback): the fault fires again there, on the same block
+    fired = 2 if kind in ("error", "readers_full") and store.config.num_io_threads < len(hashes) else 1
+    assert plan.count(op="read", kind=kind) == fired
+    assert {i.key for i in plan.injected} == {hashes[2]}
     assert len(result.block_ids) == 2 and torch.equal(loaded_bytes(store, result), contents(hashes[:2]))
     result.lease.release()
     assert dict(store.stats.load_failures) == {_REASON[kind]: 1}

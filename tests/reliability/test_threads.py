@@ -70,9 +70,10 @@ def test_prefetch_in_flight_while_another_thread_stores_the_same_blocks(tmp_path
     blocks from another thread meanwhile stops at the first of them and writes nothing (no
     second slot, no second write), and the prefetch then serves the exact bytes."""
     store, hashes, blocks = stored_then_reopened(opened, tmp_path, 4, gpu=8)
-    real = DiskTier.read_into
+    real, real_views = DiskTier.read_into, DiskTier.read_into_views
     stored = threading.Event()
     monkeypatch.setattr(DiskTier, "read_into", lambda self, *a: (stored.wait(10), real(self, *a))[1])
+    monkeypatch.setattr(DiskTier, "read_into_views", lambda self, *a: (stored.wait(10), real_views(self, *a))[1])
     handle = store.prefetch(hashes)  # its DISK reads wait until the store below is done
     stored_before = sum(store.stats.stored_blocks.values())
     results = []

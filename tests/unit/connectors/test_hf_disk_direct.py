@@ -211,22 +211,32 @@ def test_decode_into_view_gives_the_record_bytes_or_refuses(strided):
     assert decode_into_view(memoryview(bytes(record)[:200]), NS, out) is ReadStatus.CORRUPT  # cut short
 
 
+def _into_pool(kv, places) -> bool:
+    """A DISK read into the top pool's slots (a promotion), not into the hit buffer (a delivery)."""
+    pool = kv.store.top.tensor.untyped_storage().data_ptr()
+    return isinstance(places, BlockPlaces) and places.first.untyped_storage().data_ptr() == pool
+
+
 class _Timeline:
     """Spies on the DISK tier: when each delivery (``read_into_views``) ran and when each
     promotion (``read_into``, the second read into a top-pool slot) started; ``hold`` keeps
     the delivery of the job whose first block it names waiting until released."""
 
-    def __init__(self, monkeypatch, disk, hold=None) -> None:
+    def __init__(self, monkeypatch, kv, hold=None) -> None:
         import time
 
+        disk = kv.store.disk
         self.events: list[tuple[str, float]] = []
         self.release = threading.Event()
         real_views, real_into = disk.read_into_views, disk.read_into
 
-        def views(block_hashes, *args, **kwargs):
+        def views(block_hashes, namespace, places, *args, **kwargs):
+            if _into_pool(kv, places):  # promotions of several blocks: one call into the pool's slots
+                self.events.extend(("promoting", time.perf_counter()) for _ in block_hashes)
+                return real_views(block_hashes, namespace, places, *args, **kwargs)
             if hold is not None and block_hashes[0] == hold:
                 self.release.wait(10)
-            out = real_views(block_hashes, *args, **kwargs)
+            out = real_views(block_hashes, namespace, places, *args, **kwargs)
             self.events.append(("delivered", time.perf_counter()))
             return out
 
@@ -248,7 +258,7 @@ def test_the_promotions_start_only_after_the_last_delivery_of_the_prefix(model, 
     ids = prompt(6 * BLOCK + 3, seed=31)
     kv = on_disk(model, tmp_path, ids)
     hashes = kv.block_hashes(ids[0])
-    timeline = _Timeline(monkeypatch, kv.store.disk, hold=hashes[0])  # the first job delivers last
+    timeline = _Timeline(monkeypatch, kv, hold=hashes[0])  # the first job delivers last
     threading.Timer(0.3, timeline.release.set).start()
     plan = kv.before_prefill(ids)
     assert_exact(plan, model, ids, 6 * BLOCK)
@@ -392,9 +402,10 @@ def test_reads_into_the_hit_buffer_run_as_one_job_per_io_thread(model, tmp_path,
     disk, runs = kv.store.disk, []
     real_views = disk.read_into_views
 
-    def views(block_hashes, *args, **kwargs):
-        runs.append(len(block_hashes))
-        return real_views(block_hashes, *args, **kwargs)
+    def views(block_hashes, namespace, places, *args, **kwargs):
+        if not _into_pool(kv, places):  # the promotions of several blocks read into the pool the same way
+            runs.append(len(block_hashes))
+        return real_views(block_hashes, namespace, places, *args, **kwargs)
 
     monkeypatch.setattr(disk, "read_into_views", views)
     plan = kv.before_prefill(ids)
@@ -454,3 +465,4 @@ def test_block_places_refuse_places_outside_their_buffer_and_bad_steps():
         BlockPlaces(torch.zeros(3, 2, 2, BLOCK, 16, device="meta"), BLOCK * 16, [0])
     with pytest.raises(ValueError, match="one place"):
         decode_into_places([None, None], NS, BlockPlaces(first, BLOCK * 16, [0]), [None, None])
+
