@@ -13,11 +13,18 @@ VM (AMD EPYC, 2026-12-03, bench/results/2026-12-03-nt-gather): 64 blocks of 720 
 into their places in 4 KiB pieces take 1.29x a ``memcpy`` of the same 45 MiB with memcpy
 per piece, 0.62x with streaming stores (in C, both); 256 blocks 1.38x vs 0.70x. LMCache's
 CPU kernels (``lmcache.c_ops``) and vLLM's ``swap_blocks`` are compiled extensions for the
-same reason; kvtier compiles its ~80 lines of C with the system's C compiler the first time a
+same reason; kvtier compiles its ~180 lines of C with the system's C compiler the first time a
 process needs them (as torch.compile's CPU backend and Triton's launchers do), caches the
 library under ``$XDG_CACHE_HOME/kvtier/kernels`` (``~/.cache/kvtier/kernels``), and loads it
 with ctypes (which releases the GIL for the call: the copies of the DISK reads' I/O threads
 run in parallel).
+
+A DISK read verifies each record's xxh3 checksum as it copies it (:func:`hash_copy_rows`,
+:func:`hash_copy_blocks`: each 64 KiB hashed, then copied from cache, all of a read job's
+blocks in one call) with python-xxhash's own xxh3 functions, which its extension module
+exports (:func:`_bind_xxh3` checks them against ``xxhash.xxh3_64`` at load); through
+python-xxhash each block cost two GIL round trips, hash then copy, that the I/O threads and the
+caller contended for (bench/results/2026-12-03-fused-hash, 2026-12-03-block-places).
 
 Without a C compiler, on a machine other than x86-64 (plain ``memcpy`` there: the C file
 compiles without streaming stores), or with ``KVTIER_HOST_KERNELS=off``, every function
