@@ -133,10 +133,11 @@ static void hash_copy(void *state, char *dst, int64_t dst_stride, const char *sr
 /* *digest = xxh3-64 of prefix[0:prefix_nbytes] followed by rows x row_nbytes contiguous bytes
  * of src, copying row r to dst + r * dst_stride as it goes: each chunk of about chunk_nbytes
  * (whole rows) is hashed first, which brings it into cache, then copied from there. Returns
- * 0, or -1 (nothing written) when the hash is not bound or its state cannot be allocated. */
+ * 0, or -1 (nothing written) when the hash is not bound, chunk_nbytes <= 0 or the hash's state cannot be
+ * allocated. */
 int kvt_hash_copy_rows(uint64_t *digest, const char *prefix, int64_t prefix_nbytes, char *dst, int64_t dst_stride,
                        const char *src, int64_t rows, int64_t row_nbytes, int64_t chunk_nbytes, int streaming) {
-    if (!xxh3_create)
+    if (!xxh3_create || chunk_nbytes <= 0)
         return -1;
     void *state = xxh3_create();
     if (!state)
@@ -156,7 +157,7 @@ int kvt_hash_copy_rows(uint64_t *digest, const char *prefix, int64_t prefix_nbyt
 int kvt_hash_copy_blocks(uint64_t *digests, const int64_t *records, int64_t prefix_nbytes, int64_t payload_offset,
                          const int64_t *dsts, int64_t dst_stride, int64_t num_blocks, int64_t rows, int64_t row_nbytes,
                          int64_t chunk_nbytes, int streaming) {
-    if (!xxh3_create)
+    if (!xxh3_create || chunk_nbytes <= 0)
         return -1;
     void *state = xxh3_create();
     if (!state)

@@ -173,6 +173,7 @@ def _bind_xxh3(lib: ctypes.CDLL) -> bool:
             addresses.append(ctypes.cast(getattr(exported, found), ctypes.c_void_p).value)
     except (ImportError, OSError, AttributeError) as exc:
         logger.info("kvtier: DISK reads hash with python-xxhash, then copy (%s)", _short(exc))
+        lib.kvt_bind_xxh3(None, None, None, None, None)
         return False
     lib.kvt_bind_xxh3(*addresses)
     rng = np.random.default_rng(17)
@@ -407,6 +408,11 @@ HASH_CHUNK_NBYTES = 64 << 10
 them while they are in cache (L2: 512 KiB to 2 MiB a core on current x86)."""
 
 
+def _check_chunk() -> None:
+    if not isinstance(HASH_CHUNK_NBYTES, int) or HASH_CHUNK_NBYTES <= 0:
+        raise ValueError(f"expected HASH_CHUNK_NBYTES to be an int > 0, got {HASH_CHUNK_NBYTES!r}")
+
+
 def hash_copy_rows(dst_address: int, layout: tuple[int, int, int], src: np.ndarray, prefix: np.ndarray) -> int | None:
     """:func:`copy_rows` that also returns the xxh3-64 of ``prefix`` followed by ``src``
     (``xxhash.xxh3_64(prefix + src).intdigest()``), in one pass over ``src`` and without the
@@ -420,7 +426,7 @@ def hash_copy_rows(dst_address: int, layout: tuple[int, int, int], src: np.ndarr
 
     Raises:
         ValueError: ``src`` or ``prefix`` not C-contiguous uint8, ``src`` not
-            ``rows * row_nbytes`` bytes.
+            ``rows * row_nbytes`` bytes, :data:`HASH_CHUNK_NBYTES` not an int > 0.
     """
     lib = library()
     if lib is None or not _hashing:
@@ -430,6 +436,7 @@ def hash_copy_rows(dst_address: int, layout: tuple[int, int, int], src: np.ndarr
     _check_source(prefix, prefix.size)
     if src.size and dst_address < src.ctypes.data + src.size and src.ctypes.data < dst_address + (rows - 1) * row_stride + row_nbytes:
         return None
+    _check_chunk()
     digest = ctypes.c_uint64()
     if lib.kvt_hash_copy_rows(ctypes.byref(digest), prefix.ctypes.data, prefix.size, dst_address, row_stride,
                               src.ctypes.data, rows, row_nbytes, HASH_CHUNK_NBYTES,
@@ -458,7 +465,8 @@ def hash_copy_blocks(dst_addresses: np.ndarray, layout: tuple[int, int, int], re
         block on its own.
 
     Raises:
-        ValueError: a record of another size, dtype or layout, or mismatched lengths.
+        ValueError: a record of another size, dtype or layout, mismatched lengths, or
+            :data:`HASH_CHUNK_NBYTES` not an int > 0.
     """
     lib = library()
     if lib is None or not _hashing:
@@ -479,6 +487,7 @@ def hash_copy_blocks(dst_addresses: np.ndarray, layout: tuple[int, int, int], re
     lo, hi = dsts.min(), dsts.max() + span  # every destination lies in [lo, hi)
     if np.any((starts < hi) & (starts + nbytes > lo)):
         return None  # a record inside the destinations' range: left to the caller's per-block copies
+    _check_chunk()
     digests = np.empty(n, np.uint64)
     if lib.kvt_hash_copy_blocks(digests.ctypes.data, starts.ctypes.data, prefix_nbytes, payload_offset, dsts.ctypes.data,
                                 row_stride, n, rows, row_nbytes, HASH_CHUNK_NBYTES,

@@ -238,15 +238,16 @@ def check_record(record: RecordHeader, checksum: int, fingerprint: bytes | None)
 
 
 _VIEW_PLANS: dict[tuple, tuple] = {}
-"""``(dtype, shape, strides, device)`` of a destination -> what the record decoders check and
-copy by: computed once per layout (a DISK hit reads tens of blocks into places of one
-shape: 16.6 -> 10.6 us of Python a block, timeit of decode_into_view at 7ba885d)."""
+"""``(dtype, shape, strides, device, negative or conjugate bit)`` of a destination -> what the
+record decoders check and copy by: computed once per layout (a DISK hit reads tens of blocks
+into places of one shape: 16.6 -> 10.6 us of Python a block, timeit of decode_into_view at
+7ba885d)."""
 
 
 def _view_plan(out: torch.Tensor) -> tuple[str | None, tuple[int, ...], int, tuple[int, int, int] | None]:
     """``(dtype name, shape, payload bytes, row layout or None)`` of a destination tensor; the
     layout only for plain host memory (a CPU tensor, not a negated or conjugated view)."""
-    key = (out.dtype, out.shape, out.stride(), out.device)
+    key = (out.dtype, out.shape, out.stride(), out.device, out.is_neg() or out.is_conj())
     plan = _VIEW_PLANS.get(key)
     if plan is None:
         layout = None
@@ -347,8 +348,9 @@ class BlockPlaces:
         positions: ``[n]`` ints >= 0, each place inside ``first``'s storage.
 
     Raises:
-        ValueError: not a CPU tensor, a step or position that is not a non-negative int, or a
-            place outside the storage.
+        ValueError: not a plain CPU tensor or one whose last dimension is strided, a step or
+            position that is not a non-negative int, a place outside the storage, places that
+            share bytes (duplicate positions, a step shorter than a place).
     """
 
     __slots__ = ("first", "step", "positions", "plan", "_itemsize")
@@ -361,12 +363,36 @@ class BlockPlaces:
             return
         if first.device.type != "cpu" or first.is_neg() or first.is_conj():
             raise ValueError(f"expected a plain CPU tensor for block places, got {first.device} (neg {first.is_neg()})")
-        if not isinstance(step, int) or isinstance(step, bool) or step <= 0:
+        if first.ndim and first.shape[-1] > 1 and first.stride(-1) != 1:
+            raise ValueError(f"expected places whose last dimension is contiguous, got strides {first.stride()}")
+        if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step <= 0:
             raise ValueError(f"expected a step > 0 (elements), got {step!r}")
-        if any(not isinstance(p, int) or isinstance(p, bool) or p < 0 for p in positions):
+        if any(not isinstance(p, (int, np.integer)) or isinstance(p, bool) or p < 0 for p in positions):
             raise ValueError("expected block positions to be ints >= 0")
+        self.step = step = int(step)
+        if not isinstance(positions, range):
+            self.positions = positions = [int(p) for p in positions]
         if positions:
             _check_storage(first, max(positions) * step)
+            self._check_apart()
+
+    def _check_apart(self) -> None:
+        """Raise ``ValueError`` unless the places are distinct and, for places of evenly spaced
+        rows, none shares a byte with another (the hit buffer's places interleave: each one's
+        rows fall in the others' gaps)."""
+        offsets = sorted(p * self.step * self._itemsize for p in self.positions)
+        gaps = [b - a for a, b in zip(offsets, offsets[1:])]
+        if gaps and min(gaps) == 0:
+            raise ValueError("expected distinct block positions")
+        layout = self.plan[3]
+        if layout is None or not gaps:
+            return
+        rows, row_nbytes, row_stride = layout
+        apart = min(gaps) >= (rows - 1) * row_stride + row_nbytes  # whole places apart
+        interleaved = min(gaps) >= row_nbytes and offsets[-1] - offsets[0] + row_nbytes <= row_stride
+        if not (apart or interleaved):
+            raise ValueError(f"expected block places that do not overlap, got a step of {self.step} elements for "
+                             f"places of {rows} rows of {row_nbytes} bytes, {row_stride} apart")
 
     def __len__(self) -> int:
         return len(self.positions)

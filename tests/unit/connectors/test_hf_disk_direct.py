@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvtier.connectors import hf
+from kvtier import records
 from kvtier.kernels import host_copy
 from kvtier.records import HEADER_NBYTES, BlockPlaces, ReadStatus, decode_into_places, decode_into_view, encode_record
 from kvtier.store import prefetch
@@ -209,6 +210,11 @@ def test_decode_into_view_gives_the_record_bytes_or_refuses(strided):
     assert decode_into_view(record, NS, out, b"g" * 32) is ReadStatus.TOKEN_MISMATCH
     assert decode_into_view(record, NS, torch.zeros(3, 2, 2, BLOCK, 8)) is ReadStatus.CORRUPT  # another shape
     assert decode_into_view(memoryview(bytes(record)[:200]), NS, out) is ReadStatus.CORRUPT  # cut short
+
+
+def _fused() -> bool:
+    """The compiled kernels load here and hash with python-xxhash's exported xxh3."""
+    return host_copy.library() is not None and host_copy._hashing
 
 
 def _into_pool(kv, places) -> bool:
@@ -426,7 +432,7 @@ def test_decode_into_places_gives_each_record_its_bytes_or_its_status(request, m
         monkeypatch.setattr(host_copy, "_loaded", True)
     elif kernels == "per block (python-xxhash)":
         monkeypatch.setattr(host_copy, "_hashing", False)
-    elif not host_copy._hashing:
+    elif not _fused():
         pytest.skip("no compiled kernels or no exported xxh3 here")
     monkeypatch.setattr(host_copy, "STREAMING_MIN_NBYTES", 0)
     blocks = [torch.randn(3, 2, 2, BLOCK, 16) for _ in range(6)]
@@ -466,3 +472,37 @@ def test_block_places_refuse_places_outside_their_buffer_and_bad_steps():
     with pytest.raises(ValueError, match="one place"):
         decode_into_places([None, None], NS, BlockPlaces(first, BLOCK * 16, [0]), [None, None])
 
+
+
+def test_block_places_refuse_places_that_share_bytes_or_a_strided_last_dimension():
+    # from a hostile review: two blocks aimed at one place, or places a step shorter than a
+    # block apart, let a block reported OK hold another record's bytes
+    big = torch.zeros(3, 2, 2, 4 * BLOCK, 16)
+    first = big[:, :, :, :BLOCK]
+    with pytest.raises(ValueError, match="distinct"):
+        BlockPlaces(first, BLOCK * 16, [1, 1])
+    with pytest.raises(ValueError, match="do not overlap"):
+        BlockPlaces(first, 16, [0, 1])  # one token apart: each place's rows overlap the next's
+    flat = torch.zeros(10, 4)
+    with pytest.raises(ValueError, match="do not overlap"):
+        BlockPlaces(flat[0], 1, [0, 1])
+    assert len(BlockPlaces(flat[0], 4, [0, 3, 9])) == 3  # whole blocks apart
+    assert len(BlockPlaces(first, BLOCK * 16, np.arange(4))) == 4  # numpy positions: ints too
+    with pytest.raises(ValueError, match="last dimension"):
+        BlockPlaces(torch.zeros(4, 3, 5)[0].t(), 15, [1])
+
+
+def test_a_negated_view_does_not_take_the_kernel_from_places_of_its_layout(monkeypatch):
+    # plans are cached per layout: one made for a negated view (no row layout) must not be the
+    # plan of a plain tensor of the same dtype, shape and strides
+    if not _fused():
+        pytest.skip("no compiled kernels or no exported xxh3 here")
+    calls = []
+    real = host_copy.hash_copy_blocks
+    monkeypatch.setattr(host_copy, "hash_copy_blocks", lambda *a: calls.append(1) or real(*a))
+    block = torch.randn(3, 2, 2, BLOCK, 16)
+    record = memoryview(encode_record(NS, block, 1).tobytes())
+    big = torch.zeros(3, 2, 2, 2 * BLOCK, 16)
+    records._view_plan(torch.zeros_like(big)._neg_view()[:, :, :, :BLOCK])  # what a decode into it plans first
+    assert decode_into_places([record], NS, BlockPlaces(big[:, :, :, :BLOCK], BLOCK * 16, [1]), [None]) == [ReadStatus.OK]
+    assert calls == [1] and torch.equal(big[:, :, :, BLOCK:], block)

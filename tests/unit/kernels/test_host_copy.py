@@ -385,3 +385,16 @@ def test_hash_copy_blocks_checks_its_records_and_leaves_overlap_and_no_hash_to_t
     monkeypatch.setattr(host_copy, "_hashing", False)
     assert host_copy.hash_copy_blocks(addresses, (1, 4096, 4096), records, 120, 128) is None
     assert not out.any()
+
+
+@needs_hashing
+@pytest.mark.parametrize("chunk", [0, -1])
+def test_a_chunk_size_that_is_not_positive_is_refused_not_run(monkeypatch, chunk):
+    # from a hostile review: 0 looped forever in C, -1 crashed
+    monkeypatch.setattr(host_copy, "HASH_CHUNK_NBYTES", chunk)
+    src, out = _bytes(4096, 0), np.zeros(4096, np.uint8)
+    with pytest.raises(ValueError, match="HASH_CHUNK_NBYTES"):
+        host_copy.hash_copy_rows(out.ctypes.data, (1, 4096, 4096), src, _bytes(120, 1))
+    with pytest.raises(ValueError, match="HASH_CHUNK_NBYTES"):
+        host_copy.hash_copy_blocks(np.array([out.ctypes.data]), (1, 3968, 3968), [src], 120, 128)
+    assert not out.any()
