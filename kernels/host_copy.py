@@ -71,7 +71,7 @@ _SOURCE = Path(__file__).with_name("host_copy.c")
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _loaded = False
-_hashing = False  # kvt_hash_copy_rows has python-xxhash's xxh3 (_bind_xxh3)
+_hashing = False  # the kvt_hash_copy_* functions have python-xxhash's xxh3 (_bind_xxh3)
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -346,6 +346,12 @@ def row_layout(array: np.ndarray) -> tuple[int, int, int] | None:
     return rows, row_nbytes, row_stride
 
 
+def _overlaps(dst_address: int, layout: tuple[int, int, int], src: np.ndarray) -> bool:
+    """Whether ``src`` lies within the span of the rows ``layout`` places at ``dst_address``."""
+    rows, row_nbytes, row_stride = layout
+    return dst_address < src.ctypes.data + src.size and src.ctypes.data < dst_address + (rows - 1) * row_stride + row_nbytes
+
+
 def _check_source(src: np.ndarray, nbytes: int) -> None:
     if src.dtype != np.uint8 or not src.flags.c_contiguous or src.size != nbytes:
         raise ValueError(f"expected a C-contiguous uint8 source of {nbytes} bytes, got {src.dtype} "
@@ -396,8 +402,8 @@ def copy_rows(dst_address: int, layout: tuple[int, int, int], src: np.ndarray) -
     _check_source(src, rows * row_nbytes)
     if not src.size:
         return True
-    if dst_address < src.ctypes.data + src.size and src.ctypes.data < dst_address + (rows - 1) * row_stride + row_nbytes:
-        return False  # overlapping: the caller's numpy copy handles it
+    if _overlaps(dst_address, layout, src):
+        return False  # the caller's numpy copy handles it
     lib.kvt_copy_rows(dst_address, row_stride, src.ctypes.data, row_nbytes, rows, row_nbytes,
                       int(src.size >= STREAMING_MIN_NBYTES))
     return True
@@ -434,7 +440,7 @@ def hash_copy_rows(dst_address: int, layout: tuple[int, int, int], src: np.ndarr
     rows, row_nbytes, row_stride = layout
     _check_source(src, rows * row_nbytes)
     _check_source(prefix, prefix.size)
-    if src.size and dst_address < src.ctypes.data + src.size and src.ctypes.data < dst_address + (rows - 1) * row_stride + row_nbytes:
+    if src.size and _overlaps(dst_address, layout, src):
         return None
     _check_chunk()
     digest = ctypes.c_uint64()

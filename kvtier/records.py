@@ -316,7 +316,7 @@ def decode_into_view(value: memoryview, namespace: bytes, out: torch.Tensor, fin
     src = np.frombuffer(value, dtype=np.uint8, offset=HEADER_NBYTES)
     if out.device.type == "cpu":
         _check_storage(out)
-    plain = rows is not None and not out.is_neg()  # rows at out's address (plans are keyed without the neg bit)
+    plain = rows is not None  # plain host rows at out's address (_view_plan: no layout for a negated view)
     checksum = host_copy.hash_copy_rows(out.data_ptr(), rows, src, _hashed_header(value)) if plain else None
     if checksum is None:  # without the kernels or python-xxhash's exported xxh3: hash, then copy from cache
         digest = record.digest(value)
