@@ -231,16 +231,25 @@ def block_keys_for(
     (expected) and on a store (kept with each block). Same arguments and errors as
     :func:`block_hashes_for`."""
     tokens, num_blocks = _full_blocks(token_ids, block_size, extra_keys)
+    return _chain_keys(tokens[: num_blocks * block_size], block_size, namespace, namespace, hash_name, extra_keys)
+
+
+def _chain_keys(
+    tokens: np.ndarray, block_size: int, parent: bytes, parent_fp: bytes, hash_name: str,
+    extra_keys: Sequence[bytes] | None = None,
+) -> tuple[list[BlockHash], list[Fingerprint]]:
+    """The keys of the whole blocks of ``tokens`` (int64, checked, a multiple of
+    ``block_size`` long), chained on from ``parent`` and ``parent_fp`` (the block before
+    them, or the namespace twice)."""
     hashes: list[BlockHash] = []
     fingerprints: list[Fingerprint] = []
-    parent, parent_fp = namespace, namespace
     # key_block_tokens block by block, the tokens encoded once (int64-LE) and sliced as bytes:
     # the same bytes hashed, without a numpy slice and conversion per block
-    raw = np.ascontiguousarray(tokens[: num_blocks * block_size], dtype="<i8").tobytes()
+    raw = np.ascontiguousarray(tokens, dtype="<i8").tobytes()
     step, count, no_extra = block_size * 8, block_size.to_bytes(4, "little"), (0).to_bytes(4, "little")
     # (no BlockHash()/Fingerprint() wrappers per block: NewType's call is a Python call each)
     sha256 = hashlib.sha256
-    for i in range(num_blocks):
+    for i in range(len(tokens) // block_size):
         extra = extra_keys[i] if extra_keys else b""
         body = count + raw[i * step : (i + 1) * step] + (len(extra).to_bytes(4, "little") + extra if extra else no_extra)
         parent = _digest(hash_name, _BLOCK_DOMAIN + len(parent).to_bytes(1, "little") + parent + body)
@@ -248,6 +257,64 @@ def block_keys_for(
         hashes.append(parent)
         fingerprints.append(parent_fp)
     return hashes, fingerprints
+
+
+class PrefixKeys:
+    """:func:`block_keys_for` of one namespace that reuses the keys of the last token list
+    it keyed for the whole blocks a new list shares with it, hashing only the rest.
+
+    A multi-turn chat's prompt is the last turn's prompt and output plus a new message, and
+    a connector keys each of them twice (``before_prefill``, ``after_request``): without
+    this, every call hashed the whole conversation again (0.3 ms of a 1k-token hit's ~1 ms
+    before its first DISK read, 4.7 us a block; issue 17, bench/results/2026-12-03-hit-overhead).
+    vLLM keeps the block hashes on its request and hashes only the blocks each step fills
+    (``Request.block_hashes``); a connector called with bare token lists finds the shared
+    blocks by comparing tokens. Exact: a block's keys are reused only when every token up
+    to its end equals the last list's; lists with per-block extra keys (images) are keyed
+    in full and not remembered. One list is remembered (its tokens and two 32-byte keys a
+    block); not thread-safe beyond that each call sees one whole memo.
+    """
+
+    def __init__(self, namespace: bytes, block_size: int, hash_name: str = "sha256") -> None:
+        if block_size <= 0:
+            raise ValueError(f"expected block_size > 0, got {block_size}")
+        self.namespace, self.block_size, self.hash_name = namespace, block_size, hash_name
+        self._last: tuple[list[int], list[BlockHash], list[Fingerprint]] | None = None
+        self.reused_blocks = 0  # blocks whose keys came from the memo (for tests and traces)
+
+    def __call__(
+        self, tokens: list[int], extra_keys: Sequence[bytes] | None = None,
+    ) -> tuple[list[BlockHash], list[Fingerprint]]:
+        """``block_keys_for(tokens, namespace, block_size, hash_name, extra_keys)``; the
+        caller owns ``tokens`` (a list of ints, not changed afterwards: it is remembered).
+        Raises ``ValueError`` as :func:`block_keys_for` does."""
+        if extra_keys is not None:
+            return block_keys_for(tokens, self.namespace, self.block_size, self.hash_name, extra_keys)
+        bs, last = self.block_size, self._last
+        shared = 0
+        if last is not None:
+            last_tokens, last_hashes, last_fps = last
+            shared = _shared_blocks(tokens, last_tokens, min(len(tokens) // bs, len(last_hashes)), bs)
+        if shared == 0:
+            hashes, fps = block_keys_for(tokens, self.namespace, bs, self.hash_name)
+        else:
+            rest, num_blocks = _full_blocks(tokens[shared * bs :], bs, None)
+            more = _chain_keys(rest[: num_blocks * bs], bs, last_hashes[shared - 1], last_fps[shared - 1], self.hash_name)
+            hashes, fps = last_hashes[:shared] + more[0], last_fps[:shared] + more[1]
+            self.reused_blocks += shared
+        self._last = (tokens, hashes, fps)
+        return list(hashes), list(fps)
+
+
+def _shared_blocks(a: list[int], b: list[int], most: int, block_size: int) -> int:
+    """Leading whole blocks of ``block_size`` tokens equal in ``a`` and ``b`` (at most ``most``)."""
+    n = most * block_size
+    if n <= 0 or a[:n] == b[:n]:  # the usual case (the last list is this one's prefix): one comparison in C
+        return max(most, 0)
+    for i in range(most):
+        if a[i * block_size : (i + 1) * block_size] != b[i * block_size : (i + 1) * block_size]:
+            return i
+    return most
 
 
 # -- what explains a miss: content keys and the contexts seen in this process -----------------

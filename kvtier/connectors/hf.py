@@ -94,7 +94,7 @@ from kvtier.connectors.hf_cache import (
 )
 from kvtier.connectors.hf_media import PromptMedia, prompt_media
 from kvtier.connectors.ttft import ForwardTimer, PrefillRate
-from kvtier.hashing import KeyContext, LazyContentKeys, block_hashes_for, block_keys_for
+from kvtier.hashing import KeyContext, LazyContentKeys, PrefixKeys, block_hashes_for
 from kvtier.model_keys import kv_config_bytes, kv_config_fields
 from kvtier.records import BlockPlaces
 from kvtier.store import PrefetchHandle, ResetResult, TieredStore
@@ -252,6 +252,7 @@ class HFConnector:
         self.model, self.store, self.key_context = model, store, key_context
         self.namespace = store.namespace
         self.block_size = spec.block_size
+        self._prefix_keys = PrefixKeys(self.namespace, self.block_size, key_context.hash_name)  # the last prompt's keys
         self.store_disabled: str | None = None
         self._cache_kwarg = cache_kwarg(model)
         store.name = store.name or key_context.model_id
@@ -333,7 +334,7 @@ class HFConnector:
     def _keys(self, tokens: list[int], media: PromptMedia | None) -> tuple[list[BlockHash], list[bytes]]:
         """:meth:`block_keys` of tokens already checked (:func:`_token_list`)."""
         extra = media.extra_keys(len(tokens) // self.block_size, self.block_size) if media is not None else None
-        return block_keys_for(tokens, self.namespace, self.block_size, self.key_context.hash_name, extra)
+        return self._prefix_keys(tokens, extra)  # block_keys_for, the blocks shared with the last call not hashed again
 
     def prompt_media(self, media: Any, prompt_ids: list[int]) -> PromptMedia | None:
         """The images of a prompt from its processor outputs (``None`` when none given)."""

@@ -414,14 +414,21 @@ class Prefetcher:
                 parts = [reads[k::num_jobs] for k in range(num_jobs)]
             # the reads into the top pool behind the sinks start after the last delivery
             gate = DeliveryGate(len(parts)) if views is not None and source is Medium.DISK else None
-            for k, part in enumerate(parts):
+            # Every job is made before the first starts: a started job's thread takes the GIL
+            # for its headers, and making the next job's sinks then waited for it (~0.2 ms of
+            # a 1k-token DISK hit, issue 17; bench/results/2026-12-03-hit-overhead).
+            jobs = []
+            for part in parts:
                 ids = [plans[i].staging_id if dst is not top.medium else plans[i].top_id for i in part]
                 job = TransferJob(source, dst, [plans[i].block_hash for i in part], dst_ids=ids,
                                   fingerprints=[plans[i].expected for i in part])
                 if gate is not None:
                     sinks = views.subset(part) if isinstance(views, BlockPlaces) else [views[i] for i in part]
                     job.sinks, job.delivery, job.gate = sinks, Delivery(), gate
-                    handle.sunk = handle.sunk | frozenset(part)
+                jobs.append(job)
+            if gate is not None:
+                handle.sunk = handle.sunk | frozenset(i for part in parts for i in part)
+            for k, (part, job) in enumerate(zip(parts, jobs)):
                 try:
                     job_id = self.engine.submit(job)
                 except BaseException:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.hashing import KeyContext, block_hashes_for, hash_block_tokens
+from kvtier.hashing import KeyContext, PrefixKeys, block_hashes_for, block_keys_for, hash_block_tokens
 
 NS = KeyContext(model_id="m").namespace()
 
@@ -153,3 +153,62 @@ def test_lazy_content_keys_are_the_content_keys_hashed_on_first_use():
     assert lazy[1] == content_keys(tokens, 16, extra)[1] and lazy[-1] == content_keys(tokens, 16, extra)[-1]
     assert list(LazyContentKeys(np.asarray(tokens), 16)) == content_keys(tokens, 16)
     assert len(LazyContentKeys(tokens[:15], 16)) == 0 and list(LazyContentKeys(tokens[:15], 16)) == []
+
+
+# -- PrefixKeys: the last list's keys reused for the blocks a new list shares (issue 17) ------
+_NS = bytes(range(32))
+
+
+@settings(max_examples=150, deadline=None)
+@given(lists=st.lists(st.lists(st.integers(0, 3), max_size=70), min_size=1, max_size=6),
+       block_size=st.sampled_from([1, 4, 16]), hash_name=st.sampled_from(["sha256", "xxh3_128"]))
+def test_prefix_keys_equal_block_keys_for_whatever_came_before(lists, block_size, hash_name):
+    # small token alphabets: lists that share prefixes, differ inside a block, or at its edge
+    keys = PrefixKeys(_NS, block_size, hash_name)
+    for tokens in lists:
+        assert keys(list(tokens)) == block_keys_for(tokens, _NS, block_size, hash_name)
+
+
+def test_prefix_keys_hash_only_the_blocks_not_shared_with_the_last_list():
+    keys = PrefixKeys(_NS, 4)
+    turn1 = list(range(10))  # 2 whole blocks
+    keys(turn1)
+    assert keys.reused_blocks == 0
+    turn2 = turn1 + [99, 98, 97, 96, 95]  # the conversation goes on: blocks 0-1 reused
+    assert keys(turn2) == block_keys_for(turn2, _NS, 4)
+    assert keys.reused_blocks == 2
+    edited = turn2[:5] + [7] + turn2[6:]  # a token of block 1 differs: only block 0 is reused
+    assert keys(edited) == block_keys_for(edited, _NS, 4)
+    assert keys.reused_blocks == 3
+    assert keys([1000] + edited) == block_keys_for([1000] + edited, _NS, 4)  # shifted: nothing shared
+    assert keys.reused_blocks == 3
+
+
+def test_prefix_keys_return_lists_the_caller_may_change():
+    keys = PrefixKeys(_NS, 4)
+    hashes, fingerprints = keys(list(range(8)))
+    expected = block_keys_for(list(range(8)), _NS, 4)
+    hashes.append(b"x"), fingerprints.clear()
+    assert keys(list(range(12)))[0][:2] == expected[0] and keys.reused_blocks == 2
+
+
+def test_prefix_keys_key_lists_with_extra_keys_in_full_and_forget_nothing():
+    keys = PrefixKeys(_NS, 4)
+    tokens = list(range(8))
+    keys(tokens)
+    extra = [b"image-a", b""]
+    assert keys(tokens, extra) == block_keys_for(tokens, _NS, 4, extra_keys=extra)
+    assert keys.reused_blocks == 0  # the image's blocks are not the plain list's
+    assert keys(tokens) == block_keys_for(tokens, _NS, 4) and keys.reused_blocks == 2  # the plain list is still known
+
+
+def test_prefix_keys_raise_as_block_keys_for_does():
+    keys = PrefixKeys(_NS, 4)
+    keys(list(range(8)))
+    with pytest.raises(ValueError, match="non-negative"):
+        keys(list(range(8)) + [-1])  # after shared blocks: the rest is checked
+    with pytest.raises(ValueError, match="non-negative"):
+        keys([-1] + list(range(8)))
+    with pytest.raises(ValueError, match="block_size"):
+        PrefixKeys(_NS, 0)
+    assert keys(list(range(8))) == block_keys_for(list(range(8)), _NS, 4)  # still serving

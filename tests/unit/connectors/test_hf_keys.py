@@ -100,3 +100,29 @@ def test_a_block_hash_collision_never_serves_another_prompts_kv(monkeypatch, con
         assert plan.num_cached_tokens == 48 and again == greedy(model, first)[0]
     finally:
         conn.close()
+
+
+def test_multi_turn_keys_reuse_the_last_turns_and_hit_exactly(config):
+    """Issue 17: a turn's prompt (the last turn's prompt and output plus a new message) is
+    keyed from the last call's keys (``PrefixKeys``); the keys are block_keys_for's and the
+    hit's output equals a cold run's."""
+    from kvtier.hashing import block_keys_for
+
+    model = tiny_llama()
+    conn = HFConnector.from_model(model, config, model_id="llama", model_revision="v1")
+    try:
+        ids = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(2))
+        cached = 0  # the last turn's whole blocks (its cache holds prompt + output - 1 tokens)
+        for _ in range(3):
+            cold, _ = greedy(model, ids)
+            warm, plan = greedy(model, ids, conn)
+            assert warm == cold
+            assert plan.num_cached_tokens == cached
+            cached = (ids.shape[1] + len(warm) - 1) // BLOCK * BLOCK
+            tokens = ids[0].tolist()
+            assert conn.block_keys(ids) == block_keys_for(tokens, conn.namespace, BLOCK)
+            ids = torch.cat([ids, torch.tensor([warm]), torch.randint(3, 256, (1, 9))], dim=1)
+        # each hook after the first keyed the conversation so far from the last call's keys
+        assert conn._prefix_keys.reused_blocks >= 10
+    finally:
+        conn.close()
