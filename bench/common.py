@@ -250,6 +250,19 @@ def prime_raw_file(path: Path, blocks: "torch.Tensor", chunk: int) -> Path:
     return path
 
 
+def disk_warmup_rounds(disk, round_nbytes: int) -> int:
+    """Untimed rounds for a case that writes ``round_nbytes`` into the DISK tier ``disk``
+    (a :class:`kvtier.tiers.disk.DiskTier`) each round: enough that every page of LMDB's data
+    file was written once before the clock starts, as the raw-write baselines overwrite a file
+    written once before (:data:`RAW_WRITE_NOTE`). Until its freed pages come around, LMDB
+    writes into pages of its sparse map file not touched before (a page fault and a zeroed page
+    each): a store into a full CPU slab ran at 3.1 GB/s for the first 6 rounds of 256 MiB into
+    a 1.3 GiB file and 7.5 GB/s from then on (bench/results/2026-12-03-hit-overhead/README.md);
+    the benches' first-fill rows (a fresh tier) measure that cost on their own."""
+    size = (Path(disk.path) / "data.mdb").stat().st_size
+    return max(1, -(-size // max(1, round_nbytes)) + 1)
+
+
 class MappedFile:
     """A file of ``nbytes`` mapped ``MAP_SHARED`` as LMDB maps its data file (advised
     ``MADV_HUGEPAGE`` where the platform has it: :func:`kvtier.tiers.disk.advise_huge_pages`),

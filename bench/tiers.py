@@ -60,7 +60,7 @@ if __package__ in (None, ""):  # run as a script (python bench/tiers.py): make `
 import torch  # noqa: E402
 
 from bench.common import Case, Row, raw_read, raw_write, Stat, apply_threads, arg_parser, measure, print_table, write_outputs  # noqa: E402
-from bench.common import RAW_WRITE_BASELINE, RAW_WRITE_NOTE, MappedFile, drop_page_cache, io_read_bytes, prime_raw_file  # noqa: E402
+from bench.common import RAW_WRITE_BASELINE, RAW_WRITE_NOTE, MappedFile, disk_warmup_rounds, drop_page_cache, io_read_bytes, prime_raw_file  # noqa: E402
 from bench.disk_open import open_rows  # noqa: E402
 from kvtier.config import StoreConfig, parse_bytes  # noqa: E402
 from kvtier.hashing import KeyContext  # noqa: E402
@@ -476,7 +476,7 @@ def bench_store_disk(b: Bench) -> list[Row]:
         try:
             raw, least, kvtier = measure(
                 [Case(lambda: raw_write(raw_path, b.src, b.disk_batch)), Case(floor.run), spill], b.repeats,
-                sync=b.sync())
+                warmup=disk_warmup_rounds(disk, b.nbytes), sync=b.sync())  # LMDB's map primed as the raw file
             floor.check()
         finally:
             floor.close()

@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 from bench.common import (  # noqa: E402
     RAW_WRITE_BASELINE, RAW_WRITE_NOTE, Case, Row, apply_threads, arg_parser, measure, print_table, prime_raw_file, raw_write,
-    write_json, write_plot,
+    disk_warmup_rounds, write_json, write_plot,
 )
 from bench.tiers import StoreFloor, floor_rows  # noqa: E402
 from kvtier.config import StoreConfig, parse_bytes  # noqa: E402
@@ -107,7 +107,7 @@ def disk_rows(root: Path, total_bytes: int, repeats: int, threads: int, warnings
     spilled, stored, write, spill_floor, store_floor = measure(
         [Case(spill, before=fill_slab), Case(store_into_full, before=fill_slab), Case(lambda: raw_write(raw, blocks, 32)),
          Case(floors[0].run), Case(floors[1].run)],
-        repeats,
+        repeats, warmup=disk_warmup_rounds(store.disk, 2 * n * SPEC.block_nbytes),  # LMDB's map primed as the raw file
     )
     assert all(h in store.disk for h in hashes), "a spilled block is not on DISK"
     store.close()
