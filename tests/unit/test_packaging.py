@@ -44,3 +44,37 @@ def test_the_host_copy_kernels_source_ships_in_the_package() -> None:
     data = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert "*.c" in data["kvtier.kernels"]
     assert (REPO_ROOT / "kernels" / "host_copy.c").is_file()
+
+
+def test_the_source_tree_does_not_shadow_the_top_level_kernels_package() -> None:
+    # transformers >= 5.25 requires PyPI's `kernels` and imports it when its metadata is
+    # installed: with the repo root on sys.path (pytest's rootdir, `python -m` from the root),
+    # a kernels/__init__.py here won that import and every model load failed with
+    # "cannot import name 'CUDAProperties' from 'kernels'" (2026-12-03, a fresh clone)
+    import subprocess
+    import sys
+
+    assert not (REPO_ROOT / "kernels" / "__init__.py").exists()
+    code = (
+        "import importlib.util, sys\n"
+        f"sys.path.insert(0, {str(REPO_ROOT)!r})\n"
+        "spec = importlib.util.find_spec('kernels')\n"
+        "print(spec.origin if spec is not None and spec.origin else '-')\n"
+        "import kvtier.kernels as k\n"
+        "print(k.__name__, callable(k.gather_blocks_to_paged))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    origin, package = out.stdout.splitlines()
+    assert not origin.startswith(str(REPO_ROOT / "kernels")), origin  # PyPI's, or none at all
+    assert package == "kvtier.kernels True"
+
+
+def test_the_package_links_every_kernel_source() -> None:
+    # kvtier/kernels holds __init__.py and one symlink per file of kernels/ (what a wheel ships)
+    sources = {p.name for p in (REPO_ROOT / "kernels").iterdir() if p.suffix in (".py", ".c")}
+    package = REPO_ROOT / "kvtier" / "kernels"
+    linked = {p.name for p in package.iterdir() if p.is_symlink()}
+    assert sources and linked == sources
+    for name in sources:
+        assert (package / name).resolve() == (REPO_ROOT / "kernels" / name).resolve()
+    assert (package / "__init__.py").is_file() and not (package / "__init__.py").is_symlink()

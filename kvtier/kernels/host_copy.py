@@ -1,0 +1,1 @@
+../../kernels/host_copy.py

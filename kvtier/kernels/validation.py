@@ -1,0 +1,1 @@
+../../kernels/validation.py
