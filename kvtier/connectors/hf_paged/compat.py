@@ -8,7 +8,7 @@ releases whose internals it was built and tested against. Two generations exist:
   ``BlockManager`` with ``Block`` objects and per-layer ``key_cache`` / ``value_cache``
   tensors ``[(num_blocks + 2) * block_size, num_kv_heads, head_dim]``; the page size is
   ``ContinuousBatchingConfig.block_size``.
-- ``"allocators"`` (transformers 5.18 to 5.24): ``continuous_batching/cache_allocators/``, a
+- ``"allocators"`` (transformers 5.18 to 5.25): ``continuous_batching/cache_allocators/``, a
   ``BlockLedger`` per allocator and one flat cache tensor cut into sectors, blocks and pages;
   the page size is ``ContinuousBatchingConfig.page_size``.
 
@@ -22,8 +22,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-SUPPORTED_TRANSFORMERS = ">=5.17,<5.25"
-"""The releases whose continuous-batching internals the connector was checked against; the
+SUPPORTED_TRANSFORMERS = ">=5.17,<5.26"
+"""The releases whose continuous-batching internals the connector was checked against (5.25,
+2026-12-03: the contract test and the connector's tests pass unchanged; its one change there,
+an MLA allocator, serves models the connector refuses, :class:`.layout.AllocatorsLayout`); the
 ``continuous`` extra in pyproject.toml pins the same range (tests/unit/connectors/test_hf_paged_contract.py)."""
 
 Generation = Literal["block_manager", "allocators"]
@@ -49,7 +51,7 @@ def transformers_version() -> tuple[int, int, int]:
 
 def supported(version: tuple[int, int, int]) -> bool:
     """Whether ``version`` is in :data:`SUPPORTED_TRANSFORMERS`."""
-    return (5, 17, 0) <= version < (5, 25, 0)
+    return (5, 17, 0) <= version < (5, 26, 0)
 
 
 def check_transformers() -> Generation:

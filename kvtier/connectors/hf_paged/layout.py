@@ -14,7 +14,7 @@ num_kv_heads, head_dim]`` (strided views of the engine's cache tensor, no copy),
 offset ``k`` in ``range(ratio)``, and maps (paged block id, ``k``) to a view index. Two
 layouts, one per transformers generation (:mod:`.compat`):
 
-- :class:`AllocatorsLayout` (5.18 - 5.24): one flat cache tensor; paged block ``b`` holds, per
+- :class:`AllocatorsLayout` (5.18 - 5.25): one flat cache tensor; paged block ``b`` holds, per
   layer ``i``, K at rows ``b * stride + 2 * i * page_size`` and V at ``... + (2 * i + 1) *
   page_size`` of the ``[rows, num_kv_heads, head_dim]`` view (``stride`` =
   ``block_physical_stride`` = ``2 * num_layers * page_size``).
@@ -72,7 +72,7 @@ def _check_ratio(page_size: int, block_size: int) -> int:
 
 
 class AllocatorsLayout:
-    """transformers 5.18 - 5.24 (``cache_allocators``): see the module docstring.
+    """transformers 5.18 - 5.25 (``cache_allocators``): see the module docstring.
 
     Args:
         cache: a ``PagedAttentionCache`` with one full-attention allocator.
@@ -93,6 +93,11 @@ class AllocatorsLayout:
                 f"expected only full-attention layers, got layer types {list(cache.cache_allocators)}"
             )
         allocator = cache.cache_allocators[FULL_ATTENTION]
+        if type(allocator).__name__ != "FullAttentionCacheAllocator":  # 5.25: MLA layers are FULL_ATTENTION too
+            raise UnsupportedModelError(
+                f"expected the full-attention allocator's page layout, got {type(allocator).__name__} "
+                "(MLA latents: serve such models through HFConnector)"
+            )
         if list(allocator.layer_indices) != list(range(len(allocator.layer_indices))):
             raise UnsupportedModelError(f"expected layers 0..L-1 in order, got {allocator.layer_indices}")
         self.cache, self.allocator = cache, allocator

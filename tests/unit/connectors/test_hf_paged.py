@@ -285,11 +285,28 @@ def test_refuses_what_it_cannot_serve(model, connect, tmp_path):
         HFPagedConnector.from_model(sliding, store_config(tmp_path / "s"), model_id="x", model_revision="r")
 
 
+@pytest.mark.skipif(GENERATION != "allocators", reason="the allocators' layout (transformers 5.18+)")
+def test_a_full_attention_group_with_another_page_layout_is_refused():
+    # transformers 5.25 files MLA layers under FULL_ATTENTION with an allocator of its own
+    # (two latents per token, not K and V heads): its pages are not the layout kvtier copies
+    from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION
+
+    from kvtier.connectors.hf_paged.layout import AllocatorsLayout
+
+    class MLACacheAllocator:  # what 5.25 names it; the check is on the exact allocator class
+        layer_indices = [0, 1]
+        tokens_per_page = 32
+
+    cache = type("Cache", (), {"cache_allocators": {FULL_ATTENTION: MLACacheAllocator()}})()
+    with pytest.raises(UnsupportedModelError, match="got MLACacheAllocator"):
+        AllocatorsLayout(cache, 16)
+
+
 def test_unsupported_transformers_release_is_refused_at_start(monkeypatch):
     import transformers
 
     monkeypatch.setattr(transformers, "__version__", "5.40.0")
-    with pytest.raises(compat.UnsupportedTransformersError, match=r"supports transformers >=5.17,<5.25.*found 5.40.0"):
+    with pytest.raises(compat.UnsupportedTransformersError, match=r"supports transformers >=5.17,<5.26.*found 5.40.0"):
         compat.check_transformers()
 
 

@@ -206,7 +206,7 @@ def test_truncate_gives_blocks_back(processor):
     assert _free_blocks(cache) == before + 3, moved("freeing a request's blocks (ledger.release / BlockManager.free_blocks)")
 
 
-@pytest.mark.skipif(GENERATION != "allocators", reason="transformers 5.18 - 5.24's BlockLedger keeps cached blocks")
+@pytest.mark.skipif(GENERATION != "allocators", reason="transformers 5.18 - 5.25's BlockLedger keeps cached blocks")
 def test_append_evicts_only_the_cached_blocks_it_needs_least_recently_freed_first(processor):
     """A load into a cache whose free blocks are gone takes transformers' cached blocks (held
     by no request, kept for their hash), oldest first, only as many as it needs."""
