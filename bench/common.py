@@ -258,9 +258,14 @@ def disk_warmup_rounds(disk, round_nbytes: int) -> int:
     writes into pages of its sparse map file not touched before (a page fault and a zeroed page
     each): a store into a full CPU slab ran at 3.1 GB/s for the first 6 rounds of 256 MiB into
     a 1.3 GiB file and 7.5 GB/s from then on (bench/results/2026-12-03-hit-overhead/README.md);
-    the benches' first-fill rows (a fresh tier) measure that cost on their own."""
+    the benches' first-fill rows (a fresh tier) measure that cost on their own.
+
+    Raises:
+        ValueError: ``round_nbytes`` is not positive."""
+    if not round_nbytes > 0:
+        raise ValueError(f"expected round_nbytes > 0, got {round_nbytes!r}")
     size = (Path(disk.path) / "data.mdb").stat().st_size
-    return max(1, -(-size // max(1, round_nbytes)) + 1)
+    return max(1, -(-size // round_nbytes) + 1)
 
 
 class MappedFile:

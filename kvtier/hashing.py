@@ -270,9 +270,11 @@ class PrefixKeys:
     vLLM keeps the block hashes on its request and hashes only the blocks each step fills
     (``Request.block_hashes``); a connector called with bare token lists finds the shared
     blocks by comparing tokens. Exact: a block's keys are reused only when every token up
-    to its end equals the last list's; lists with per-block extra keys (images) are keyed
-    in full and not remembered. One list is remembered (its tokens and two 32-byte keys a
-    block); not thread-safe beyond that each call sees one whole memo.
+    to its end equals the last list's; lists with per-block extra keys (images), and token
+    sequences other than a plain ``list`` (tuples, arrays, tensors), are keyed in full and
+    not remembered. One list is remembered, as a copy (a caller may change its list
+    afterwards), with two 32-byte keys a block; not thread-safe beyond that each call sees
+    one whole memo.
     """
 
     def __init__(self, namespace: bytes, block_size: int, hash_name: str = "sha256") -> None:
@@ -285,10 +287,9 @@ class PrefixKeys:
     def __call__(
         self, tokens: list[int], extra_keys: Sequence[bytes] | None = None,
     ) -> tuple[list[BlockHash], list[Fingerprint]]:
-        """``block_keys_for(tokens, namespace, block_size, hash_name, extra_keys)``; the
-        caller owns ``tokens`` (a list of ints, not changed afterwards: it is remembered).
+        """``block_keys_for(tokens, namespace, block_size, hash_name, extra_keys)``.
         Raises ``ValueError`` as :func:`block_keys_for` does."""
-        if extra_keys is not None:
+        if extra_keys is not None or type(tokens) is not list:
             return block_keys_for(tokens, self.namespace, self.block_size, self.hash_name, extra_keys)
         bs, last = self.block_size, self._last
         shared = 0
@@ -302,7 +303,7 @@ class PrefixKeys:
             more = _chain_keys(rest[: num_blocks * bs], bs, last_hashes[shared - 1], last_fps[shared - 1], self.hash_name)
             hashes, fps = last_hashes[:shared] + more[0], last_fps[:shared] + more[1]
             self.reused_blocks += shared
-        self._last = (tokens, hashes, fps)
+        self._last = (tokens[: len(hashes) * bs], hashes, fps)  # a copy of the keyed blocks' tokens
         return list(hashes), list(fps)
 
 

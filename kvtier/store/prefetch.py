@@ -312,7 +312,11 @@ class Prefetcher:
             unserved = [(misses.NO_FREE_SLOT, str(b.source), "") for b in chain[len(plans) :]] + [
                 (misses.BEYOND_TOP_CAPACITY, str(b.source), "") for b in walked[top.num_blocks :]] + unserved
         handle = PrefetchHandle(self, plans, lease, self._residency.generation, count=count, unserved=unserved)
-        self._submit(handle, sinks)
+        try:
+            self._submit(handle, sinks)
+        except BaseException:  # a job not made or not taken: wait the submitted ones, free every slot and pin
+            self._cancel(plans, [*handle.read_jobs, *handle.copy_jobs], lease, handle.generation)
+            raise
         # Dropped without wait() (the request was cancelled): wait its jobs and free its slots.
         handle._abandon = weakref.finalize(
             handle, self._residency.defer_or_run,

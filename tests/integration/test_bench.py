@@ -128,6 +128,18 @@ def test_floor_rows_compare_the_floor_to_the_raw_write_and_kvtier_to_the_floor_a
     assert warning.startswith("warning: kvtier vs its floor: kvtier ran faster than its floor (3.00 vs 2.50 GB/s)")
 
 
+def test_disk_warmup_rounds_cover_the_data_file_once_and_refuse_empty_rounds(tmp_path):
+    from bench.common import disk_warmup_rounds
+
+    (tmp_path / "data.mdb").write_bytes(b"x" * 1000)
+    disk = type("Disk", (), {"path": tmp_path})()
+    assert disk_warmup_rounds(disk, 100) == 11  # ten rounds to cover it, one more
+    assert disk_warmup_rounds(disk, 300) == 5 and disk_warmup_rounds(disk, 5000) == 2
+    for bad in (0, -1):  # 0 meant 1 byte a round: 151 million rounds on a 144 MiB map (review, 2026-12-03)
+        with pytest.raises(ValueError, match="round_nbytes > 0"):
+            disk_warmup_rounds(disk, bad)
+
+
 def test_mapped_file_is_sparse_or_holds_its_content_and_is_deleted_on_close(tmp_path):
     from bench.common import MappedFile
 

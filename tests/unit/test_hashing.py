@@ -212,3 +212,30 @@ def test_prefix_keys_raise_as_block_keys_for_does():
     with pytest.raises(ValueError, match="block_size"):
         PrefixKeys(_NS, 0)
     assert keys(list(range(8))) == block_keys_for(list(range(8)), _NS, 4)  # still serving
+
+
+def test_prefix_keys_remember_a_copy_of_the_callers_list():
+    # a caller that edits its list in place and passes it again (found in review, 2026-12-03):
+    # the memo compared the list with itself and reused every block
+    keys = PrefixKeys(_NS, 4)
+    tokens = list(range(16))
+    keys(tokens)
+    tokens[1] = 99
+    assert keys(tokens) == block_keys_for(tokens, _NS, 4) and keys.reused_blocks == 0
+    del tokens[8:]
+    tokens += [5, 5, 5, 5, 5, 5, 5, 5]
+    assert keys(tokens) == block_keys_for(tokens, _NS, 4) and keys.reused_blocks == 2
+
+
+def test_prefix_keys_key_arrays_and_tensors_in_full_and_keep_the_list_memo():
+    import numpy as np
+    import torch
+
+    keys = PrefixKeys(_NS, 4)
+    tokens = list(range(12))
+    keys(tokens)
+    for seq in (np.asarray(tokens), torch.tensor(tokens), tuple(tokens)):
+        assert keys(seq) == block_keys_for(tokens, _NS, 4)
+        assert keys(seq) == block_keys_for(tokens, _NS, 4)  # twice: nothing of it was remembered
+    assert keys.reused_blocks == 0
+    assert keys(tokens + [1, 2, 3, 4]) == block_keys_for(tokens + [1, 2, 3, 4], _NS, 4) and keys.reused_blocks == 3

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from kvtier.tiers.disk import DiskTier, ReadStatus
@@ -112,3 +113,43 @@ def test_concurrent_prefetch_and_store_from_threads_stay_consistent(make_store):
         t.join()
     assert not errors
     store.check_invariants()
+
+
+@pytest.mark.parametrize("fault", ["sinks too short", "a job not made", "a job not taken"])
+def test_a_prefetch_that_fails_to_start_frees_its_slots_and_pins(make_store, monkeypatch, fault):
+    # found in review (2026-12-03): an exception while _submit made or submitted its DISK
+    # read jobs left every planned slot pending and every block pinned, so the blocks never
+    # loaded again; now the submitted jobs are waited and everything is given back
+    from kvtier.store import prefetch
+
+    monkeypatch.setattr(prefetch, "_SINK_JOB_NBYTES", 1)  # one block a job: several jobs
+    store, hashes, blocks = to_disk_only(make_store, 6, num_io_threads=3)
+    buf = torch.empty((6, *store.spec.block_shape), dtype=store.spec.dtype)
+    sinks = lambda n: [buf[i] for i in range(n)]  # noqa: E731
+    calls = [0]
+
+    def third(real):
+        def fake(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == (3 if real is prefetch.TransferJob else 2):
+                raise MemoryError("injected")
+            return real(*args, **kwargs)
+        return fake
+
+    if fault == "sinks too short":
+        sinks = lambda n: [buf[i] for i in range(n - 2)]  # noqa: E731
+    elif fault == "a job not made":
+        monkeypatch.setattr(prefetch, "TransferJob", third(prefetch.TransferJob))
+    else:
+        monkeypatch.setattr(store._prefetcher.engine, "submit", third(store._prefetcher.engine.submit))
+    with pytest.raises((IndexError, MemoryError)):
+        store.prefetch(hashes, sinks=sinks)
+    monkeypatch.undo()
+    assert not store.residency.pending_slots()
+    assert [store.ref_cnt(h) for h in hashes] == [0] * 6
+    assert not store._prefetcher.engine._pending
+    store.check_invariants()
+    result = store.load(hashes)  # the same blocks load again, whole
+    with result.lease:
+        assert result.sources == [Medium.DISK] * 6
+        assert torch.equal(store.top.tensor[torch.tensor(result.block_ids)], blocks)
