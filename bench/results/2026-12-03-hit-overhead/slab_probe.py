@@ -1,24 +1,8 @@
 """slab_rounds.py with probes per round: minor faults (getrusage) and this process's CPU over wall
 time (both threads busy: ~1.8); at the end the huge-page lines of /proc/self/smaps_rollup.
 Usage: TREE=<tree> [R=rounds] python slab_probe.py"""
-import os, sys, time, tempfile, shutil, statistics
-sys.path.insert(0, os.environ.get("TREE", "/work/main"))
-from pathlib import Path
-import torch
-torch.set_num_threads(1)
-from bench.transfers import _store, SPEC, NAMESPACE
-from bench.common import raw_write, prime_raw_file
-from kvtier.hashing import block_hashes_for
-root = Path(tempfile.mkdtemp(prefix="slab-", dir="/work"))
-n = int(os.environ.get("NB", 128))
-hashes = block_hashes_for(list(range(n * 16)), NAMESPACE, 16)
-spill_hashes = block_hashes_for(list(range(10**6, 10**6 + n * 16)), NAMESPACE, 16)
-blocks = torch.randn((n, *SPEC.block_shape)).to(SPEC.dtype)
-store = _store(root / "kv", n, 2)
-store.store(hashes, blocks); store.flush()
-raw = prime_raw_file(root / "raw.bin", blocks, 32)
-def fill():
-    store.top.clear(); store.disk.remove(hashes + spill_hashes); store.store(hashes, blocks)
+import os, time, shutil, statistics
+from slab_setup import SPEC, fill, raw, raw_write, root, blocks, store, spill_hashes, n
 import resource
 S, W, F = [], [], []
 def steal():

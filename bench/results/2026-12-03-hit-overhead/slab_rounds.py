@@ -2,24 +2,8 @@
 the slab refilled before each round), round by round: the LMDB data file's size (MiB) after each
 round, then each round's GB/s, then best/median of the rounds after the first 5 against a raw
 sequential write over a primed file. Usage: TREE=<tree> [R=rounds] python slab_rounds.py"""
-import os, sys, time, tempfile, shutil, statistics
-sys.path.insert(0, os.environ.get("TREE", "/work/main"))
-from pathlib import Path
-import torch
-torch.set_num_threads(1)
-from bench.transfers import _store, SPEC, NAMESPACE
-from bench.common import raw_write, prime_raw_file
-from kvtier.hashing import block_hashes_for
-root = Path(tempfile.mkdtemp(prefix="slab-", dir="/work"))
-n = int(os.environ.get("NB", 128))
-hashes = block_hashes_for(list(range(n * 16)), NAMESPACE, 16)
-spill_hashes = block_hashes_for(list(range(10**6, 10**6 + n * 16)), NAMESPACE, 16)
-blocks = torch.randn((n, *SPEC.block_shape)).to(SPEC.dtype)
-store = _store(root / "kv", n, 2)
-store.store(hashes, blocks); store.flush()
-raw = prime_raw_file(root / "raw.bin", blocks, 32)
-def fill():
-    store.top.clear(); store.disk.remove(hashes + spill_hashes); store.store(hashes, blocks)
+import os, time, shutil, statistics
+from slab_setup import SPEC, fill, raw, raw_write, root, blocks, store, spill_hashes, n
 S, W = [], []
 for i in range(int(os.environ.get("R", 12))):
     fill()
