@@ -106,7 +106,7 @@ def make_app(settings: ServeConfig) -> web.Application:
     app.router.add_post(NS + "/get", get)
     app.router.add_post(NS + "/put", put)
     app.router.add_post(NS + "/reset", reset)
-    channel.setup(app, client_max_size, (allowed_namespace, checked_hashes, lookup_reply))
+    channel.setup(app, client_max_size, (allowed_namespace, checked_hashes, lookup_now, lookup_reply))
     admin.setup(app)
     _setup_observability(app)
     observe.setup(app, _use_store, app[OPENAPI_PATHS])
@@ -342,21 +342,36 @@ async def lookup(request: web.Request) -> web.Response:
     return msgpack_response(await lookup_reply(request.app, _caller(request), namespace, hashes))
 
 
+def lookup_now(app: web.Application, caller: Caller, namespace: bytes, hashes: CheckedHashes) -> dict | None:
+    """``{"num_blocks", "media"}`` of a lookup answered on the event loop, or ``None`` when
+    the store's lock is busy (then :func:`lookup_reply`); raises the 404 of an unknown
+    namespace. Nothing is awaited, so no delete or reset can come in between (they run on
+    this loop too) and the call is not registered with :meth:`Registry.use`: its async
+    context, ``asyncio.current_task`` and two coroutine frames were ~10% of the daemon's busy
+    time under lookups (issue 17, bench/results/2026-12-03-quiet-6)."""
+    entry = app[REGISTRY].get(caller.tenant.name, namespace)
+    if entry is None:
+        raise _unknown(namespace)
+    result = entry.store.lookup(hashes, blocking=False)
+    # Medium is a str enum: msgpack packs each as its name, no str() per block needed
+    return None if result is None else {"num_blocks": result.num_hit_blocks, "media": result.media}
+
+
 async def lookup_reply(app: web.Application, caller: Caller, namespace: bytes, hashes: CheckedHashes) -> dict:
     """``{"num_blocks", "media"}`` of a lookup in ``caller``'s tenant's ``namespace`` (already
     checked against the tenant: :func:`_namespace`); raises the 404 of an unknown namespace.
-    Shared by ``POST .../lookup`` and the WebSocket channel (kvtier.server.channel)."""
+    Inline when the store's lock is free (:func:`lookup_now`: microseconds, no thread hop),
+    else on the registry's threads. Shared by ``POST .../lookup`` and the WebSocket channel
+    (kvtier.server.channel)."""
+    reply = lookup_now(app, caller, namespace, hashes)
+    if reply is not None:
+        return reply
     registry = app[REGISTRY]
     try:
         async with registry.use(caller.tenant.name, namespace) as entry:
-            # inline when the store's lock is free (microseconds: no thread hop on the hot
-            # path), else on the registry's threads
-            result = entry.store.lookup(hashes, blocking=False)
-            if result is None:
-                result = await registry.run_on(entry, entry.store.lookup, hashes)
+            result = await registry.run_on(entry, entry.store.lookup, hashes)
     except UnknownNamespace:
         raise _unknown(namespace) from None
-    # Medium is a str enum: msgpack packs each as its name, no str() per block needed
     return {"num_blocks": result.num_hit_blocks, "media": result.media}
 
 

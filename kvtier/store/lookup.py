@@ -25,6 +25,7 @@ already; an explanation).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Callable, NamedTuple, Sequence
 
 from kvtier.store import misses
@@ -104,15 +105,15 @@ class ChainLookup:
             count = count and self._first_count(request_id)
             if count:
                 stats.lookup_blocks += len(block_hashes)
-                stats.hit_blocks.update(media)
+                count_media(stats.hit_blocks, media)
                 if self.trace is not None:
                     num_tokens = prompt.num_tokens if prompt is not None else None
                     self.trace.record("load" if load else "lookup", block_hashes, num_tokens)
             asks_remote = (
                 blocking and self._remote is not None and not self.remote_clearing and len(media) < len(block_hashes)
             )
-            if count and not asks_remote:
-                self._count_misses(block_hashes, len(media), False, prompt)
+            if count and not asks_remote and (prompt is not None or len(media) < len(block_hashes)):
+                self._count_misses(block_hashes, len(media), False, prompt)  # (a whole hit without a prompt: none)
         finally:
             lock.release()
         remote_down = False
@@ -128,7 +129,7 @@ class ChainLookup:
                 more = self._placement.local_prefix(block_hashes[len(media) + num_remote :]) if num_remote else []
                 media += [Medium.REMOTE] * num_remote + more
                 if count:
-                    stats.hit_blocks.update(more)
+                    count_media(stats.hit_blocks, more)
                     if not more or len(media) == len(block_hashes):
                         self._count_misses(block_hashes, len(media), remote_down, prompt)
             if not more or len(media) == len(block_hashes):
@@ -172,3 +173,13 @@ class ChainLookup:
             remote.errors["lookup_error"] += 1
             return 0, True
         return min(max(num_hit, 0), len(block_hashes)), sum(remote.errors.values()) > errors_before
+
+
+def count_media(counter: Counter[Medium], media: list[Medium]) -> None:
+    """``counter.update(media)``: a prefix held by one medium (the usual hit) is one addition
+    (``Counter.update`` checks its argument against the ``Mapping`` ABC first: 1.5 vs 0.2 us
+    for 32 blocks, on every lookup of the daemon; issue 17)."""
+    if media and media.count(media[0]) == len(media):
+        counter[media[0]] += len(media)
+    else:
+        counter.update(media)

@@ -101,6 +101,17 @@ class Placement:
         pending = self._residency.pending_slots()
         tiers = [(pool.medium, *pool.index_segments()) for pool in self.pools]
         disk = self.disk
+        if len(tiers) == 1 and not pending:  # one memory pool, nothing in flight (the daemon's usual lookup)
+            medium, probation, protected = tiers[0]
+            n = 0
+            for h in block_hashes:
+                if h not in probation and h not in protected:
+                    break
+                n += 1
+            media = [medium] * n
+            block_hashes = block_hashes[n:]
+            if not block_hashes or disk is None:
+                return media
         for h in block_hashes:
             for medium, probation, protected in tiers:
                 if (h in probation or h in protected) and (medium, h) not in pending:

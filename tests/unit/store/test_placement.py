@@ -167,6 +167,43 @@ def test_local_prefix_in_one_pass_agrees_with_medium_of_per_block(make_store):
     assert placement.local_prefix(hashes[10:]) == []
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_local_prefix_of_one_pool_agrees_with_medium_of_per_block(make_store, seed):
+    """The one-pool pass (the daemon's store: a CPU pool over DISK) gives what medium_of
+    gives block by block, for prefixes that run from the pool into DISK and back, with and
+    without a store in flight."""
+    import random
+
+    rng = random.Random(seed)
+    store = make_store(gpu_blocks=0, cpu_blocks=4, disk_blocks=16)
+    assert len(store.placement.pools) == 1
+    hashes = chain(12, SPEC, NS)
+    assert store.store(hashes[:10], random_blocks(SPEC, 10)) == 10  # 6 spill to DISK, 4 stay in the pool
+    placement = store.placement
+    for pending in (False, True):
+        handle = store.prepare_store(hashes[10:11]) if pending else None
+        try:
+            for _ in range(20):
+                asked = rng.sample(hashes, rng.randint(0, len(hashes)))
+                expected = []
+                for h in asked:
+                    medium = placement.medium_of(h)
+                    if medium is None:
+                        break
+                    expected.append(medium)
+                with store.residency.lock:
+                    assert placement.local_prefix(asked) == expected
+        finally:
+            if handle is not None:
+                store.complete_store(handle, success=False)
+    in_pool = [h for h in hashes[:10] if placement.medium_of(h) is Medium.CPU]
+    on_disk = [h for h in hashes[:10] if placement.medium_of(h) is Medium.DISK]
+    assert len(in_pool) >= 3 and len(on_disk) >= 6  # (the pending store above took a slot and gave it back)
+    with store.residency.lock:  # from the pool into DISK, back into the pool, then a miss
+        got = placement.local_prefix(in_pool[:2] + on_disk + in_pool[2:] + hashes[11:])
+    assert got == [Medium.CPU] * 2 + [Medium.DISK] * len(on_disk) + [Medium.CPU] * (len(in_pool) - 2)
+
+
 def test_checked_hashes_skip_the_second_check_and_bad_hashes_still_raise(make_store):
     """The daemon checks a request's hashes once (CheckedHashes); the store trusts those and
     still refuses anything else."""
@@ -183,3 +220,28 @@ def test_checked_hashes_skip_the_second_check_and_bad_hashes_still_raise(make_st
             store.lookup(bad)
         with pytest.raises(ValueError):
             checked_block_hashes(bad)
+
+
+def test_count_media_is_counter_update():
+    from collections import Counter
+
+    from kvtier.store.lookup import count_media
+
+    for media in ([], [Medium.CPU] * 32, [Medium.GPU, Medium.GPU, Medium.CPU], [Medium.DISK, Medium.CPU, Medium.DISK],
+                  [Medium.REMOTE]):
+        got, expected = Counter({Medium.CPU: 5}), Counter({Medium.CPU: 5})
+        count_media(got, media)
+        expected.update(media)
+        assert got == expected and +got == +expected
+
+
+def test_a_whole_hit_counts_no_miss_and_a_partial_one_counts_its_tail(make_store):
+    # the lookup skips the miss count of a whole hit without a prompt (nothing to count)
+    store = make_store(gpu_blocks=0, cpu_blocks=4, disk_blocks=0)
+    hashes = chain(6, SPEC, NS)
+    assert store.store(hashes[:3], random_blocks(SPEC, 3)) == 3
+    assert store.lookup(hashes[:3]).num_hit_blocks == 3
+    assert sum(store.stats.miss_tokens.values()) == 0 and store.stats.hit_blocks[Medium.CPU] == 3
+    assert store.lookup(hashes).num_hit_blocks == 3
+    assert sum(store.stats.miss_tokens.values()) == 3 * SPEC.block_size  # the three blocks after the hit
+    assert store.stats.hit_blocks[Medium.CPU] == 6 and store.stats.lookup_blocks == 9
