@@ -520,3 +520,36 @@ async def test_a_second_empty_put_body_is_a_400_too(make_api):
         assert response.status == 400, await response.text()
         assert "ends inside a frame" in (await response.json())["error"]
     assert (await client.get("/healthz")).status == 200
+
+
+async def test_a_lookup_while_another_thread_holds_the_stores_lock_waits_off_the_loop(make_api):
+    # lookups are answered on the loop only when the store's lock is free (lookup_now); a busy
+    # lock sends the call to the registry's threads, and the loop keeps serving meanwhile
+    import threading
+
+    client = await make_api()
+    await register(client)
+    hs, blocks = hashes(4), random_blocks(SPEC, 4, seed=5)
+    assert await put_blocks(client, hs[:3], blocks[:3]) == [True] * 3
+    store = client.app[REGISTRY].get("default", NAMESPACE).store
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with store.residency.lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(5)
+        pending = asyncio.ensure_future(lookup(client, hs))
+        await asyncio.sleep(0.2)
+        assert not pending.done()  # waiting for the lock, on a registry thread
+        health = await client.get("/healthz")  # the loop is free
+        assert health.status == 200 and not pending.done()
+    finally:
+        release.set()
+        await asyncio.to_thread(holder.join)
+    assert await pending == {"num_blocks": 3, "media": ["CPU"] * 3}
+    assert store.stats.lookup_blocks >= 4
