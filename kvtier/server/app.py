@@ -43,6 +43,7 @@ route in ``app[TENANT_VIEWS][path]``; a route that takes a body lists its media 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -366,9 +367,24 @@ async def lookup_reply(app: web.Application, caller: Caller, namespace: bytes, h
     reply = lookup_now(app, caller, namespace, hashes)
     if reply is not None:
         return reply
-    registry = app[REGISTRY]
+    # In a task of its own: a delete or reset of the namespace cuts its calls in flight
+    # (Registry.use), and cutting this one must not cut the caller's task, which for the
+    # channel is the whole connection (every later frame, other namespaces' too).
+    call = asyncio.ensure_future(_lookup_on_thread(app[REGISTRY], caller.tenant.name, namespace, hashes))
     try:
-        async with registry.use(caller.tenant.name, namespace) as entry:
+        return await call
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        cancelling = getattr(current, "cancelling", None)  # Python >= 3.11
+        if not call.cancelled() or cancelling is None or cancelling():  # the caller itself is cancelled
+            raise
+        raise error(web.HTTPConflict, f"namespace {namespace_hex(namespace)} was deleted or reset while this "
+                                      "lookup waited for its store: look it up again") from None
+
+
+async def _lookup_on_thread(registry: Registry, tenant: str, namespace: bytes, hashes: CheckedHashes) -> dict:
+    try:
+        async with registry.use(tenant, namespace) as entry:
             result = await registry.run_on(entry, entry.store.lookup, hashes)
     except UnknownNamespace:
         raise _unknown(namespace) from None

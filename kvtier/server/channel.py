@@ -22,7 +22,7 @@ Frames (binary, one msgpack map each way; one request at a time per connection):
     {"op": "lookup", "namespace": "<64 hex digits>", "block_hashes": [bytes, ...]}
         -> {"num_blocks": int, "media": [str, ...]}     (what POST .../lookup answers)
         -> {"error": str, "status": int}                 (what POST .../lookup would have
-                                                          answered: 400, 403, 404, 413, 500)
+                                                          answered: 400, 403, 404, 409, 413, 500)
 
 The same checks as the HTTP route, per frame: the namespace's spelling and the tenant's
 right to it (:func:`kvtier.server.app.allowed_namespace`), the hashes

@@ -553,3 +553,59 @@ async def test_a_lookup_while_another_thread_holds_the_stores_lock_waits_off_the
         await asyncio.to_thread(holder.join)
     assert await pending == {"num_blocks": 3, "media": ["CPU"] * 3}
     assert store.stats.lookup_blocks >= 4
+
+
+
+@pytest.mark.parametrize("route", ["channel", "http"])
+async def test_a_lookup_waiting_for_its_store_when_the_namespace_is_deleted_is_a_409_not_a_cut_connection(
+    make_api, route
+):
+    # the wait runs in a task of its own, which the delete cuts (found in review, 2026-12-03:
+    # it was the caller's task, so the delete closed the whole channel and every later frame
+    # on it, other namespaces' too)
+    import threading
+
+    import aiohttp
+
+    client = await make_api()
+    other = bytes(range(1, 33))
+    await register(client)
+    await register(client, other)
+    hs = hashes(2)
+    assert await put_blocks(client, hs, random_blocks(SPEC, 2, seed=6), other) == [True, True]
+    store = client.app[REGISTRY].get("default", NAMESPACE).store
+    frame = lambda ns: pack({"op": "lookup", "namespace": ns.hex(), "block_hashes": hs})  # noqa: E731
+    ws = await client.ws_connect("/v1/channel", protocols=("kvtier.v1",)) if route == "channel" else None
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with store.residency.lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(5)
+        if ws is not None:
+            await ws.send_bytes(frame(NAMESPACE))
+        else:
+            waiting = asyncio.ensure_future(client.post(ns_url(NAMESPACE, "lookup"), data=pack({"block_hashes": hs})))
+        await asyncio.sleep(0.2)  # on a registry thread, waiting for the lock
+        deleting = asyncio.ensure_future(client.delete(ns_url(NAMESPACE)))
+        await asyncio.sleep(0.2)
+    finally:
+        release.set()
+        await asyncio.to_thread(holder.join)
+    assert (await deleting).status == 200
+    if ws is not None:
+        reply = await ws.receive()
+        assert reply.type is aiohttp.WSMsgType.BINARY
+        assert msgpack.unpackb(reply.data)["status"] == 409
+        await ws.send_bytes(frame(other))  # the same connection serves on
+        assert msgpack.unpackb((await ws.receive()).data) == {"num_blocks": 2, "media": ["CPU"] * 2}
+        await ws.close()
+    else:
+        response = await waiting
+        assert response.status == 409 and "deleted or reset" in (await response.json())["error"]
+        assert await lookup(client, hs, other) == {"num_blocks": 2, "media": ["CPU"] * 2}
