@@ -4,6 +4,8 @@ registration rules, restarts, limits (case S1), bad input of every kind, auth.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 
 import msgpack
 import pytest
@@ -525,32 +527,17 @@ async def test_a_second_empty_put_body_is_a_400_too(make_api):
 async def test_a_lookup_while_another_thread_holds_the_stores_lock_waits_off_the_loop(make_api):
     # lookups are answered on the loop only when the store's lock is free (lookup_now); a busy
     # lock sends the call to the registry's threads, and the loop keeps serving meanwhile
-    import threading
-
     client = await make_api()
     await register(client)
     hs, blocks = hashes(4), random_blocks(SPEC, 4, seed=5)
     assert await put_blocks(client, hs[:3], blocks[:3]) == [True] * 3
     store = client.app[REGISTRY].get("default", NAMESPACE).store
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with store.residency.lock:
-            held.set()
-            release.wait(10)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert held.wait(5)
+    async with _lock_held(store):
         pending = asyncio.ensure_future(lookup(client, hs))
         await asyncio.sleep(0.2)
         assert not pending.done()  # waiting for the lock, on a registry thread
         health = await client.get("/healthz")  # the loop is free
         assert health.status == 200 and not pending.done()
-    finally:
-        release.set()
-        await asyncio.to_thread(holder.join)
     assert await pending == {"num_blocks": 3, "media": ["CPU"] * 3}
     assert store.stats.lookup_blocks >= 4
 
@@ -563,8 +550,6 @@ async def test_a_lookup_waiting_for_its_store_when_the_namespace_is_deleted_is_a
     # the wait runs in a task of its own, which the delete cuts (found in review, 2026-12-03:
     # it was the caller's task, so the delete closed the whole channel and every later frame
     # on it, other namespaces' too)
-    import threading
-
     import aiohttp
 
     client = await make_api()
@@ -576,17 +561,7 @@ async def test_a_lookup_waiting_for_its_store_when_the_namespace_is_deleted_is_a
     store = client.app[REGISTRY].get("default", NAMESPACE).store
     frame = lambda ns: pack({"op": "lookup", "namespace": ns.hex(), "block_hashes": hs})  # noqa: E731
     ws = await client.ws_connect("/v1/channel", protocols=("kvtier.v1",)) if route == "channel" else None
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with store.residency.lock:
-            held.set()
-            release.wait(10)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert held.wait(5)
+    async with _lock_held(store):
         if ws is not None:
             await ws.send_bytes(frame(NAMESPACE))
         else:
@@ -594,9 +569,6 @@ async def test_a_lookup_waiting_for_its_store_when_the_namespace_is_deleted_is_a
         await asyncio.sleep(0.2)  # on a registry thread, waiting for the lock
         deleting = asyncio.ensure_future(client.delete(ns_url(NAMESPACE)))
         await asyncio.sleep(0.2)
-    finally:
-        release.set()
-        await asyncio.to_thread(holder.join)
     assert (await deleting).status == 200
     if ws is not None:
         reply = await ws.receive()
@@ -609,3 +581,23 @@ async def test_a_lookup_waiting_for_its_store_when_the_namespace_is_deleted_is_a
         response = await waiting
         assert response.status == 409 and "deleted or reset" in (await response.json())["error"]
         assert await lookup(client, hs, other) == {"num_blocks": 2, "media": ["CPU"] * 2}
+
+
+@contextlib.asynccontextmanager
+async def _lock_held(store):
+    """``store``'s lock held by another thread for the block's duration."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with store.residency.lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(5)
+        yield
+    finally:
+        release.set()
+        await asyncio.to_thread(holder.join)

@@ -141,6 +141,17 @@ def test_tail_first_eviction_order_within_a_request(make_store):
 
 
 
+def _media_per_block(placement, hashes) -> list:
+    """The leading media by :meth:`Placement.medium_of`, block by block (local_prefix's oracle)."""
+    media = []
+    for h in hashes:
+        medium = placement.medium_of(h)
+        if medium is None:
+            break
+        media.append(medium)
+    return media
+
+
 def test_local_prefix_in_one_pass_agrees_with_medium_of_per_block(make_store):
     """local_prefix tests every tier in one loop (issue 17): the same media as medium_of per
     block, through GPU, CPU and DISK, a pending slot (a store in flight) not counted where it
@@ -151,12 +162,7 @@ def test_local_prefix_in_one_pass_agrees_with_medium_of_per_block(make_store):
     handle = store.prepare_store(hashes[10:11])  # pending in the top pool: invisible
     try:
         placement = store.placement
-        expected = []
-        for h in hashes:
-            medium = placement.medium_of(h)
-            if medium is None:
-                break
-            expected.append(medium)
+        expected = _media_per_block(placement, hashes)
         with store.residency.lock:
             got = placement.local_prefix(hashes)
         assert got == expected and len(got) == 10
@@ -185,12 +191,7 @@ def test_local_prefix_of_one_pool_agrees_with_medium_of_per_block(make_store, se
         try:
             for _ in range(20):
                 asked = rng.sample(hashes, rng.randint(0, len(hashes)))
-                expected = []
-                for h in asked:
-                    medium = placement.medium_of(h)
-                    if medium is None:
-                        break
-                    expected.append(medium)
+                expected = _media_per_block(placement, asked)
                 with store.residency.lock:
                     assert placement.local_prefix(asked) == expected
         finally:
