@@ -28,6 +28,8 @@ LMDB_FILES = ("data.mdb", "lock.mdb")
 INDEX_DIR = "index"
 """The DISK tier's persisted index (an LMDB environment of its own: kvtier.tiers.disk_index)."""
 SPEC_FILE = "spec.msgpack"  # kvtier.server.registry.SPEC_FILE (the registry imports torch)
+TENANTS_DIR = "tenants"  # kvtier.server.layout.TENANTS_DIR
+MARKER_FILE = "kvtier-namespace.msgpack"  # kvtier.server.layout.MARKER_FILE
 _NAMESPACE_DIR = re.compile(r"[0-9a-f]{64}")
 
 
@@ -100,12 +102,20 @@ def known_data_dirs(extra: list[str | os.PathLike] = ()) -> list[Path]:
 
 # -- inspection ----------------------------------------------------------------------------------
 def namespace_dirs(data_dir: Path) -> list[Path]:
-    """The daemon's namespace directories in ``data_dir`` (64 hex digits, with a spec file)."""
+    """The daemon's namespace directories in ``data_dir`` (64 hex digits, with a spec file):
+    ``tenants/<tenant>/<ns>`` (kvtier.server.layout; ``cache ls`` showed a daemon's dir as
+    0 models before it looked there, 2026-12-03), and ``<ns>`` at the top, where daemons
+    before tenants kept them."""
+    parents = [data_dir, *_subdirs(data_dir / TENANTS_DIR)]
+    return [p for parent in parents for p in _subdirs(parent)
+            if _NAMESPACE_DIR.fullmatch(p.name) and (p / SPEC_FILE).is_file()]
+
+
+def _subdirs(path: Path) -> list[Path]:
     try:
-        entries = sorted(data_dir.iterdir())
+        return sorted(p for p in path.iterdir() if p.is_dir() and not p.is_symlink())
     except OSError:
         return []
-    return [p for p in entries if _NAMESPACE_DIR.fullmatch(p.name) and (p / SPEC_FILE).is_file()]
 
 
 def inspect_data_dir(data_dir: str | os.PathLike) -> CacheDir:
@@ -204,7 +214,11 @@ def remove_caches(data_dir: str | os.PathLike) -> int:
                 for ns in namespace_dirs(root):
                     _remove_disk_tier(ns / "disk")
                     _unlink(ns / SPEC_FILE)
+                    _unlink(ns / MARKER_FILE)
                     _rmdir(ns)
+                for tenant in _subdirs(root / TENANTS_DIR):
+                    _rmdir(tenant)
+                _rmdir(root / TENANTS_DIR)
                 _unlink(root / SERVE_LOCK)
         _rmdir(root)
     except OSError as exc:

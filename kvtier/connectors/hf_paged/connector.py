@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -191,9 +192,9 @@ class HFPagedConnector:
     # -- 1, 2: prefetch when a request arrives, hold it back while the load is in flight ------
     def _add_request(self, original: Any, input_ids: Sequence[int], request_id: str | None = None,
                      *args: Any, **kwargs: Any) -> Any:
+        tokens = _token_ids(input_ids)  # before anything is started for the request
         if request_id is None:
             request_id = f"kvtier-{next(self._ids)}"
-        tokens = [int(t) for t in input_ids]
         self.tickets.start(request_id, *self.prompt_keys(tokens))
         added = original(tokens, request_id, *args, **kwargs)
         if added is None:  # refused (stopping, or not the TP driver)
@@ -383,3 +384,26 @@ def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
             break
         n += 1
     return n
+
+
+def _token_ids(input_ids: Any) -> list[int]:
+    """``add_request``'s prompt as a list of ints: a sequence of ints or a 1-D tensor or array,
+    as transformers' ``ContinuousBatchingManager.add_request`` takes (``list[int]``).
+
+    Raises:
+        ValueError: anything else, e.g. the ``[1, seq_len]`` batch that ``model.generate``
+            takes (a newcomer's first try, 2026-12-03: it failed inside a list comprehension).
+    """
+    shape = getattr(input_ids, "shape", None)
+    if shape is not None and len(shape) != 1:
+        raise ValueError(f"expected input_ids as one prompt's token ids (a list of ints or a 1-D tensor), got "
+                         f"shape {list(shape)}: pass input_ids[0] for a [1, seq_len] batch")
+    if isinstance(input_ids, (str, bytes)) or not hasattr(input_ids, "__iter__"):
+        raise ValueError(f"expected input_ids as a list of token ids, got {type(input_ids).__name__}")
+    try:
+        tokens = [operator.index(t) for t in (input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids)]
+    except TypeError:
+        tokens = []
+    if not tokens or min(tokens) < 0:
+        raise ValueError("expected input_ids as a non-empty list of non-negative int token ids")
+    return tokens

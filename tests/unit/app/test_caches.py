@@ -88,15 +88,19 @@ def test_removal_keeps_files_that_are_not_kvtier_s(tmp_path: Path) -> None:
     assert inspect_data_dir(data).kinds == []
 
 
-def _daemon_dir(data: Path, namespaces: int) -> list[Path]:
-    """The layout of kvtier.server.registry: serve.lock, <hex>/spec.msgpack, <hex>/disk/."""
+def _daemon_dir(data: Path, namespaces: int, tenants: bool = True) -> list[Path]:
+    """The layout of kvtier.server.layout: serve.lock, tenants/<tenant>/<hex>/ with its marker,
+    spec.msgpack and disk/ (``tenants=False``: <hex>/ at the top, as daemons before tenants)."""
     data.mkdir(parents=True)
     (data / "serve.lock").touch()
     dirs = []
     for i in range(namespaces):
-        ns = data / (f"{i:02x}" * 32)
-        ns.mkdir()
+        parent = data / "tenants" / ("default" if i % 2 == 0 else "team-b") if tenants else data
+        ns = parent / (f"{i:02x}" * 32)
+        ns.mkdir(parents=True)
         (ns / "spec.msgpack").write_bytes(b"\x80")
+        if tenants:
+            (ns / "kvtier-namespace.msgpack").write_bytes(b"\x80")
         disk = DiskTier(ns / "disk", 64 << 20)
         _fill(disk, 3)
         disk.close()
@@ -104,9 +108,12 @@ def _daemon_dir(data: Path, namespaces: int) -> list[Path]:
     return dirs
 
 
-def test_a_daemon_dir_counts_its_namespaces_and_is_refused_while_the_daemon_runs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tenants", [True, False], ids=["tenants", "flat"])
+def test_a_daemon_dir_counts_its_namespaces_and_is_refused_while_the_daemon_runs(tmp_path: Path, tenants) -> None:
+    # the daemon keeps tenants/<tenant>/<ns>: `cache ls` showed such a dir as 0 models, 0 blocks
+    # and `cache rm` left its namespaces behind (a newcomer's report, 2026-12-03)
     data = tmp_path / "daemon"
-    _daemon_dir(data, 2)
+    _daemon_dir(data, 2, tenants)
     (data / "other").mkdir()  # not a namespace (no spec): left alone
     info = inspect_data_dir(data)
     assert info.kinds == ["daemon"] and info.namespaces == 2 and info.blocks == 6 and info.holders == {}

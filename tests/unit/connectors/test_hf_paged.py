@@ -256,6 +256,27 @@ def test_stores_never_the_last_sampled_token_n9(model, connect):
     assert conn.admissions.stats.stored_blocks == 2
 
 
+def test_add_request_takes_a_flat_prompt_and_refuses_a_batch_with_a_clear_error(model, connect):
+    # a newcomer passed the [1, seq_len] tensor model.generate takes (2026-12-03): it failed
+    # inside a list comprehension; a 1-D tensor or a list of numpy ints is one prompt
+    import numpy as np
+
+    conn = connect()
+    manager = conn.init_continuous_batching(GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1),
+                                            cb_config())
+    prompt = tokens(20, seed=9)
+    with running(manager):
+        for bad, match in ((torch.tensor([prompt]), r"shape \[1, 20\]: pass input_ids\[0\]"),
+                           ([], "non-empty"), ([1, -2, 3], "non-negative"), ([1.5, 2.0], "int token ids"),
+                           ("abc", "list of token ids"), (7, "list of token ids")):
+            with pytest.raises(ValueError, match=match):
+                manager.add_request(bad, max_new_tokens=4)
+        ids = [manager.add_request(p, max_new_tokens=4)
+               for p in (torch.tensor(prompt), np.asarray(prompt, dtype=np.int64).tolist(), list(map(np.int64, prompt)))]
+        outputs = [manager.get_result(request_id=i, timeout=60).generated_tokens for i in ids]
+    assert len(outputs[0]) == 4 and outputs[0] == outputs[1] == outputs[2]
+
+
 def test_detach_leaves_no_hook_behind(model, connect):
     conn = connect()
     manager = conn.init_continuous_batching(gen_config(), cb_config())
