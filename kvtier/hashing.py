@@ -281,7 +281,7 @@ class PrefixKeys:
         if block_size <= 0:
             raise ValueError(f"expected block_size > 0, got {block_size}")
         self.namespace, self.block_size, self.hash_name = namespace, block_size, hash_name
-        self._last: tuple[list[int], list[BlockHash], list[Fingerprint]] | None = None
+        self._last: tuple[list[int], list[BlockHash], list[Fingerprint]] | None = None  # tokens, keys
         self.reused_blocks = 0  # blocks whose keys came from the memo (for tests and traces)
 
     def __call__(
@@ -291,18 +291,14 @@ class PrefixKeys:
         Raises ``ValueError`` as :func:`block_keys_for` does."""
         if extra_keys is not None or type(tokens) is not list:
             return block_keys_for(tokens, self.namespace, self.block_size, self.hash_name, extra_keys)
-        bs, last = self.block_size, self._last
-        shared = 0
-        if last is not None:
-            last_tokens, last_hashes, last_fps = last
-            shared = _shared_blocks(tokens, last_tokens, min(len(tokens) // bs, len(last_hashes)), bs)
-        if shared == 0:
-            hashes, fps = block_keys_for(tokens, self.namespace, bs, self.hash_name)
-        else:
-            rest, num_blocks = _full_blocks(tokens[shared * bs :], bs, None)
-            more = _chain_keys(rest[: num_blocks * bs], bs, last_hashes[shared - 1], last_fps[shared - 1], self.hash_name)
-            hashes, fps = last_hashes[:shared] + more[0], last_fps[:shared] + more[1]
-            self.reused_blocks += shared
+        bs = self.block_size
+        last_tokens, last_hashes, last_fps = self._last or ([], [], [])
+        shared = _shared_blocks(tokens, last_tokens, min(len(tokens) // bs, len(last_hashes)), bs)
+        parent, parent_fp = (last_hashes[shared - 1], last_fps[shared - 1]) if shared else (self.namespace, self.namespace)
+        rest, num_blocks = _full_blocks(tokens[shared * bs :], bs, None)
+        more_hashes, more_fps = _chain_keys(rest[: num_blocks * bs], bs, parent, parent_fp, self.hash_name)
+        hashes, fps = last_hashes[:shared] + more_hashes, last_fps[:shared] + more_fps
+        self.reused_blocks += shared
         self._last = (tokens[: len(hashes) * bs], hashes, fps)  # a copy of the keyed blocks' tokens
         return list(hashes), list(fps)
 
@@ -310,8 +306,8 @@ class PrefixKeys:
 def _shared_blocks(a: list[int], b: list[int], most: int, block_size: int) -> int:
     """Leading whole blocks of ``block_size`` tokens equal in ``a`` and ``b`` (at most ``most``)."""
     n = most * block_size
-    if n <= 0 or a[:n] == b[:n]:  # the usual case (the last list is this one's prefix): one comparison in C
-        return max(most, 0)
+    if a[:n] == b[:n]:  # the usual case (the last list is this one's prefix): one comparison in C
+        return most
     for i in range(most):
         if a[i * block_size : (i + 1) * block_size] != b[i * block_size : (i + 1) * block_size]:
             return i

@@ -321,7 +321,7 @@ class HFConnector:
     # -- hooks -------------------------------------------------------------------------------
     def block_hashes(self, token_ids: Sequence[int] | torch.Tensor) -> list[BlockHash]:
         """Chained hashes of the full blocks of ``token_ids`` (``[num_tokens]`` ints)."""
-        tokens = _token_list(token_ids)
+        tokens = token_list(token_ids)
         return block_hashes_for(tokens, self.namespace, self.block_size, self.key_context.hash_name)
 
     def block_keys(
@@ -329,10 +329,10 @@ class HFConnector:
     ) -> tuple[list[BlockHash], list[bytes]]:
         """Hashes and token fingerprints of the full blocks of ``token_ids``
         (:func:`block_keys_for`), the blocks holding an image of ``media`` keyed by it."""
-        return self._keys(_token_list(token_ids), media)
+        return self._keys(token_list(token_ids), media)
 
     def _keys(self, tokens: list[int], media: PromptMedia | None) -> tuple[list[BlockHash], list[bytes]]:
-        """:meth:`block_keys` of tokens already checked (:func:`_token_list`)."""
+        """:meth:`block_keys` of tokens already checked (:func:`token_list`)."""
         extra = media.extra_keys(len(tokens) // self.block_size, self.block_size) if media is not None else None
         return self._prefix_keys(tokens, extra)  # block_keys_for, the blocks shared with the last call not hashed again
 
@@ -540,7 +540,7 @@ class HFConnector:
         """
         self.finish_loads()  # its own hit's blocks first: a pending block would stop the store
         self._count_prefill()
-        tokens = _token_list(token_ids)
+        tokens = token_list(token_ids)
         keys, values = cache_layers(cache)
         if self.store_disabled is None and (problem := check_cache(cache, self.store.spec)) is not None:
             self.store_disabled = problem
@@ -589,14 +589,18 @@ class HFConnector:
 
 
 def _prompt_tokens(input_ids: torch.Tensor | Sequence[int]) -> list[int]:
-    tokens = _token_list(input_ids)
+    tokens = token_list(input_ids)
     if not tokens:
         raise ValueError("expected a non-empty prompt, got 0 tokens")
     return tokens
 
 
-def _token_list(token_ids: torch.Tensor | Sequence[int]) -> list[int]:
-    """Token ids as Python ints. Raises ``ValueError`` for float/bool ids or a batch > 1."""
+def token_list(token_ids: torch.Tensor | Sequence[int]) -> list[int]:
+    """Token ids (an int tensor ``[n]`` or ``[1, n]``, or a sequence of ints, numpy ints
+    included) as Python ints. Raises ``ValueError`` for float/bool ids, a batch > 1, or
+    something that is not a sequence of ids."""
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
+        raise ValueError(f"expected a list of token ids, got {type(token_ids).__name__}")
     if isinstance(token_ids, torch.Tensor):
         if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
             raise ValueError(f"expected integer token ids, got dtype {token_ids.dtype}")

@@ -64,6 +64,7 @@ from kvtier.server.settings import ServeConfig
 from kvtier.server.streams import CLOSE_AFTER
 from kvtier.server.tenants import Caller
 from kvtier.server.views import VIEWS, TenantViews, tenant_metrics, tenant_stats
+from kvtier.store.results import LookupResult
 from kvtier.wire import FRAMES, MSGPACK, pack, spec_from_wire, spec_to_wire, unpack_map
 
 __all__ = ["ACCESS", "OPENAPI_PATHS", "PUBLIC_PATHS", "REGISTRY", "SESSIONS", "SETTINGS", "STAGING",
@@ -107,7 +108,7 @@ def make_app(settings: ServeConfig) -> web.Application:
     app.router.add_post(NS + "/get", get)
     app.router.add_post(NS + "/put", put)
     app.router.add_post(NS + "/reset", reset)
-    channel.setup(app, client_max_size, (allowed_namespace, checked_hashes, lookup_now, lookup_reply))
+    channel.setup(app, client_max_size, (allowed_namespace, checked_hashes, lookup_now, lookup_off_loop))
     admin.setup(app)
     _setup_observability(app)
     observe.setup(app, _use_store, app[OPENAPI_PATHS])
@@ -340,54 +341,59 @@ async def lookup(request: web.Request) -> web.Response:
     """Leading blocks present, and the fastest medium holding each."""
     namespace = _namespace(request)
     hashes = await _hashes(request, "lookup")
-    return msgpack_response(await lookup_reply(request.app, _caller(request), namespace, hashes))
+    caller = _caller(request)
+    reply = lookup_now(request.app, caller, namespace, hashes)
+    return msgpack_response(reply if reply is not None else await lookup_off_loop(request.app, caller, namespace, hashes))
 
 
 def lookup_now(app: web.Application, caller: Caller, namespace: bytes, hashes: CheckedHashes) -> dict | None:
-    """``{"num_blocks", "media"}`` of a lookup answered on the event loop, or ``None`` when
-    the store's lock is busy (then :func:`lookup_reply`); raises the 404 of an unknown
+    """``{"num_blocks", "media"}`` of a lookup in ``caller``'s tenant's ``namespace`` (already
+    checked against the tenant: :func:`_namespace`) answered on the event loop, or ``None``
+    when the store's lock is busy (then :func:`lookup_off_loop`); raises the 404 of an unknown
     namespace. Nothing is awaited, so no delete or reset can come in between (they run on
     this loop too) and the call is not registered with :meth:`Registry.use`: its async
     context, ``asyncio.current_task`` and two coroutine frames were ~10% of the daemon's busy
-    time under lookups (issue 17, bench/results/2026-12-03-quiet-6)."""
+    time under lookups (issue 17, bench/results/2026-12-03-quiet-6). Shared by ``POST
+    .../lookup`` and the WebSocket channel (kvtier.server.channel)."""
     entry = app[REGISTRY].get(caller.tenant.name, namespace)
     if entry is None:
         raise _unknown(namespace)
     result = entry.store.lookup(hashes, blocking=False)
-    # Medium is a str enum: msgpack packs each as its name, no str() per block needed
-    return None if result is None else {"num_blocks": result.num_hit_blocks, "media": result.media}
+    return None if result is None else _lookup_body(result)
 
 
-async def lookup_reply(app: web.Application, caller: Caller, namespace: bytes, hashes: CheckedHashes) -> dict:
-    """``{"num_blocks", "media"}`` of a lookup in ``caller``'s tenant's ``namespace`` (already
-    checked against the tenant: :func:`_namespace`); raises the 404 of an unknown namespace.
-    Inline when the store's lock is free (:func:`lookup_now`: microseconds, no thread hop),
-    else on the registry's threads. Shared by ``POST .../lookup`` and the WebSocket channel
-    (kvtier.server.channel)."""
-    reply = lookup_now(app, caller, namespace, hashes)
-    if reply is not None:
-        return reply
-    # In a task of its own: a delete or reset of the namespace cuts its calls in flight
-    # (Registry.use), and cutting this one must not cut the caller's task, which for the
-    # channel is the whole connection (every later frame, other namespaces' too).
-    call = asyncio.ensure_future(_lookup_on_thread(app[REGISTRY], caller.tenant.name, namespace, hashes))
+async def lookup_off_loop(app: web.Application, caller: Caller, namespace: bytes, hashes: CheckedHashes) -> dict:
+    """:func:`lookup_now` of a store whose lock is busy: on the registry's threads, in a task
+    of its own. A delete or reset of the namespace cuts its calls in flight
+    (:meth:`Registry.use`), and cutting this one must not cut the caller's task, which for the
+    channel is the whole connection (every later frame, other namespaces' too).
+
+    Raises:
+        web.HTTPNotFound: an unknown namespace.
+        web.HTTPConflict: the namespace was deleted or reset while the lookup waited.
+    """
+    registry = app[REGISTRY]
+
+    async def on_thread() -> dict:
+        try:
+            async with registry.use(caller.tenant.name, namespace) as entry:
+                return _lookup_body(await registry.run_on(entry, entry.store.lookup, hashes))
+        except UnknownNamespace:
+            raise _unknown(namespace) from None
+
+    call = asyncio.ensure_future(on_thread())
     try:
         return await call
     except asyncio.CancelledError:
-        current = asyncio.current_task()
-        cancelling = getattr(current, "cancelling", None)  # Python >= 3.11
+        cancelling = getattr(asyncio.current_task(), "cancelling", None)  # Python >= 3.11
         if not call.cancelled() or cancelling is None or cancelling():  # the caller itself is cancelled
             raise
         raise error(web.HTTPConflict, f"namespace {namespace_hex(namespace)} was deleted or reset while this "
                                       "lookup waited for its store: look it up again") from None
 
 
-async def _lookup_on_thread(registry: Registry, tenant: str, namespace: bytes, hashes: CheckedHashes) -> dict:
-    try:
-        async with registry.use(tenant, namespace) as entry:
-            result = await registry.run_on(entry, entry.store.lookup, hashes)
-    except UnknownNamespace:
-        raise _unknown(namespace) from None
+def _lookup_body(result: LookupResult) -> dict:
+    # Medium is a str enum: msgpack packs each as its name, no str() per block needed
     return {"num_blocks": result.num_hit_blocks, "media": result.media}
 
 

@@ -67,7 +67,7 @@ OPS = ("lookup",)
 def setup(app: web.Application, max_frame_nbytes: int, checks: tuple) -> None:
     """Add ``GET /v1/channel`` (``tenant``); frames over ``max_frame_nbytes`` close the
     connection. ``checks``: the HTTP route's own ``(allowed_namespace, checked_hashes,
-    lookup_now, lookup_reply)`` (kvtier.server.app passes them: the channel applies exactly those)."""
+    lookup_now, lookup_off_loop)`` (kvtier.server.app passes them: the channel applies exactly those)."""
 
     async def channel(request: web.Request) -> web.WebSocketResponse:
         return await serve(request, max_frame_nbytes, checks)
@@ -119,8 +119,8 @@ async def serve(request: web.Request, max_frame_nbytes: int, checks: tuple) -> w
 async def answer(app: web.Application, caller: Caller, data: bytes, checks) -> bytes:
     """The packed reply to one request frame (module docstring); never raises but for
     cancellation. ``checks``: kvtier.server.app's ``(allowed_namespace, checked_hashes,
-    lookup_now, lookup_reply)``."""
-    allowed_namespace, checked_hashes, lookup_now, lookup_reply = checks
+    lookup_now, lookup_off_loop)``."""
+    allowed_namespace, checked_hashes, lookup_now, lookup_off_loop = checks
     try:
         try:
             obj = unpack_map(data, "channel frame")
@@ -132,7 +132,7 @@ async def answer(app: web.Application, caller: Caller, data: bytes, checks) -> b
         namespace = allowed_namespace(caller, obj.get("namespace"))
         hashes = checked_hashes(obj, app[SETTINGS].max_batch_blocks)
         reply = lookup_now(app, caller, namespace, hashes)  # None: the store's lock is busy
-        return pack(reply if reply is not None else await lookup_reply(app, caller, namespace, hashes))
+        return pack(reply if reply is not None else await lookup_off_loop(app, caller, namespace, hashes))
     except web.HTTPException as exc:
         return pack({"error": _message(exc), "status": exc.status})
     except Exception as exc:  # as the HTTP routes' 500: logged, the daemon keeps serving

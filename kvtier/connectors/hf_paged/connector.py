@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -43,7 +42,7 @@ from typing import Any, Sequence
 import torch
 
 from kvtier.config import StoreConfig
-from kvtier.connectors.hf import check_store_matches, weights_fingerprint
+from kvtier.connectors.hf import check_store_matches, token_list, weights_fingerprint
 from kvtier.connectors.hf_cache import UnsupportedModelError
 from kvtier.connectors.hf_paged.admissions import PAGED, Admission, Admissions
 from kvtier.connectors.hf_paged.compat import check_transformers
@@ -387,23 +386,20 @@ def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
 
 
 def _token_ids(input_ids: Any) -> list[int]:
-    """``add_request``'s prompt as a list of ints: a sequence of ints or a 1-D tensor or array,
-    as transformers' ``ContinuousBatchingManager.add_request`` takes (``list[int]``).
+    """``add_request``'s prompt as a list of ints (:func:`kvtier.connectors.hf.token_list`'s
+    checks): one prompt, a sequence of ints or a 1-D tensor or array, as transformers'
+    ``ContinuousBatchingManager.add_request`` takes (``list[int]``).
 
     Raises:
         ValueError: anything else, e.g. the ``[1, seq_len]`` batch that ``model.generate``
-            takes (a newcomer's first try, 2026-12-03: it failed inside a list comprehension).
+            takes (a newcomer's first try, 2026-12-03: it failed inside a list comprehension),
+            or an empty prompt or a negative id.
     """
     shape = getattr(input_ids, "shape", None)
     if shape is not None and len(shape) != 1:
         raise ValueError(f"expected input_ids as one prompt's token ids (a list of ints or a 1-D tensor), got "
                          f"shape {list(shape)}: pass input_ids[0] for a [1, seq_len] batch")
-    if isinstance(input_ids, (str, bytes)) or not hasattr(input_ids, "__iter__"):
-        raise ValueError(f"expected input_ids as a list of token ids, got {type(input_ids).__name__}")
-    try:
-        tokens = [operator.index(t) for t in (input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids)]
-    except TypeError:
-        tokens = []
-    if not tokens or min(tokens) < 0:
-        raise ValueError("expected input_ids as a non-empty list of non-negative int token ids")
+    tokens = token_list(input_ids)
+    if not tokens or min(tokens) < 0:  # (a prompt shorter than a block is never hashed, so checked here)
+        raise ValueError("expected input_ids as a non-empty list of non-negative token ids")
     return tokens

@@ -267,7 +267,7 @@ def test_add_request_takes_a_flat_prompt_and_refuses_a_batch_with_a_clear_error(
     prompt = tokens(20, seed=9)
     with running(manager):
         for bad, match in ((torch.tensor([prompt]), r"shape \[1, 20\]: pass input_ids\[0\]"),
-                           ([], "non-empty"), ([1, -2, 3], "non-negative"), ([1.5, 2.0], "int token ids"),
+                           ([], "non-empty"), ([1, -2, 3], "non-negative"), ([1.5, 2.0], "integer token ids"),
                            ("abc", "list of token ids"), (7, "list of token ids")):
             with pytest.raises(ValueError, match=match):
                 manager.add_request(bad, max_new_tokens=4)
