@@ -6,6 +6,7 @@ wait until the transport has sent it."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Sequence
 
 from aiohttp import web
@@ -161,6 +162,37 @@ CLOSE_AFTER = _KEY("kvtier_close_after", bool) if _KEY else "kvtier_close_after"
 """``request[CLOSE_AFTER]``: the response closes the connection (set where a
 :class:`BodyReceiver` took the body past aiohttp's parser, which still waits for it)."""
 
+def fresh_parser(protocol: asyncio.BaseProtocol) -> tuple[str, object] | None:
+    """``(attribute, parser)``: a new HTTP request parser for aiohttp's ``RequestHandler``
+    ``protocol``, made as aiohttp makes the one a connection starts with (the same class, the
+    handler's limits from its server's settings, else ``RequestHandler``'s defaults) and
+    the handler attribute it goes in; ``None`` where this aiohttp's handler does not look as
+    3.9-3.14 do (``_request_parser``, or ``_parser`` from 3.14) or the class refuses those
+    arguments. aiohttp has no public way to tell its parser that a body was read past it
+    (:class:`BodyReceiver`): a fresh parser is how the connection gets its next request."""
+    from aiohttp import http_parser, web_protocol
+
+    classes = tuple(c for c in (getattr(http_parser, "HttpRequestParserPy", None),
+                                getattr(http_parser, "HttpRequestParserC", None)) if isinstance(c, type))
+    attribute = next((a for a in ("_parser", "_request_parser") if isinstance(getattr(protocol, a, None), classes)), None)
+    settings = getattr(getattr(protocol, "_manager", None), "_kwargs", None)
+    if attribute is None or not isinstance(settings, dict):
+        return None
+    defaults = inspect.signature(web_protocol.RequestHandler.__init__).parameters
+    names = ("read_bufsize", "max_line_size", "max_field_size", "max_headers", "auto_decompress")
+    if any(n not in defaults for n in names):
+        return None
+    conf = {n: settings.get(n, defaults[n].default) for n in names}
+    queue = {"max_msg_queue_size": protocol._max_msg_queue_size} if hasattr(protocol, "_max_msg_queue_size") else {}
+    try:
+        parser = type(getattr(protocol, attribute))(
+            protocol, asyncio.get_running_loop(), conf.pop("read_bufsize"), payload_exception=web_protocol.RequestPayloadError,
+            **conf, **queue)
+    except TypeError:
+        return None
+    return attribute, parser
+
+
 RECEIVE_MIN_NBYTES = 16 << 20
 RECEIVE_MIN_BLOCK_NBYTES = 1 << 20
 """A put body with at least :data:`RECEIVE_MIN_NBYTES` bytes still in the socket, of blocks
@@ -190,16 +222,20 @@ class BodyReceiver(asyncio.BufferedProtocol):
     buffered (``leftover``). Each fill feeds the bytes to a running digest as they land,
     still in cache.
 
-    aiohttp's parser still counts the body as unread, so the connection cannot carry another
-    request: :meth:`close` marks the response to close it (``request[CLOSE_AFTER]``) and
-    ends aiohttp's view of the body (no lingering read); the receiver stays the transport's
-    protocol until the connection closes, dropping what comes after the body. Once a fill is
+    aiohttp's parser still counts the body as unread: once the whole body was read,
+    :meth:`close` ends aiohttp's view of the body (no lingering read) and hands the transport
+    back to aiohttp's protocol with a fresh parser (:func:`fresh_parser`), so the connection
+    carries the client's next request; opening a connection per put cost the client 8% more
+    CPU per GB and the put 9% of its GB/s (issue 17,
+    bench/results/2026-12-03-keepalive). Where this aiohttp gives no fresh parser, the reply
+    closes the connection (``request[CLOSE_AFTER]``) and the receiver stays the transport's
+    protocol until then, dropping what comes after the body. Once a fill is
     done, reading goes on into a stash of at most one frame prefix (161 bytes: the next
     frame's hash and record header come in the same turn of the loop as the payload before
     them, and the next small fill is served from it without waiting), then pauses until the
-    next fill; it never runs past the body's end into a block. Connection loss, an EOF
-    and the transport's write flow control are passed on to aiohttp's protocol as they would
-    have reached it (aiohttp writes the reply and closes the transport as usual).
+    next fill; it never runs past the body's end (into a block, or into the next request).
+    Connection loss, an EOF and the transport's write flow control are passed on to aiohttp's
+    protocol as they would have reached it.
 
     Event-loop only. Not for TLS transports (their protocol is asyncio's SSL protocol) or
     bodies without a ``Content-Length``: :meth:`take` answers ``None`` there.
@@ -218,6 +254,7 @@ class BodyReceiver(asyncio.BufferedProtocol):
         self._lost = False
         self._reading = True
         self._discard: memoryview | None = None  # after the body: what comes is dropped
+        self._handed_back = False  # the transport is aiohttp's again (keep-alive)
         transport.set_protocol(self)
         self.leftover = request.content.read_nowait(-1)  # what aiohttp buffered already
         self._pause()
@@ -288,27 +325,51 @@ class BodyReceiver(asyncio.BufferedProtocol):
         return waiter
 
     def close(self, consumed: bool) -> None:
-        """The body is done with: the connection closes after the reply (aiohttp's
-        ``RequestHandler.close``; ``request[CLOSE_AFTER]`` asks the reply to say so). ``consumed``
-        (the whole body was read): aiohttp's view of the body is ended, so it does not wait
-        for more, and whatever the client sends after it is read and dropped until the
-        connection closes (unread bytes at a close would make the kernel answer with a reset,
-        which can destroy the reply before the client reads it: a client that pipelined its
-        next request). Else the connection is reset."""
+        """The body is done with. ``consumed`` (the whole body was read): the connection goes
+        back to aiohttp for its next request (keep-alive, :func:`fresh_parser`), or where this
+        aiohttp cannot be given a fresh parser, it closes after the reply (aiohttp's
+        ``RequestHandler.close``; ``request[CLOSE_AFTER]`` asks the reply to say so) and
+        whatever the client sends after the body is read and dropped until then (unread bytes
+        at a close would make the kernel answer with a reset, which can destroy the reply
+        before the client reads it: a client that pipelined its next request). Else (an error
+        before the body's end) the connection is reset."""
         self._target = self._digest = None
         if not self._closed:
             self._closed = True
             self._watch.cancel()
-        if self._lost or self._discard is not None:
+        if self._lost or self._discard is not None or self._handed_back:
             return
-        self.request[CLOSE_AFTER] = True
-        self.inner.close()  # aiohttp closes the connection once the reply is sent
         if consumed and not self.available:
+            if self._hand_back():
+                return
+            self.request[CLOSE_AFTER] = True
+            self.inner.close()  # aiohttp closes the connection once the reply is sent
             self.request.content.feed_eof()
             self._discard = memoryview(bytearray(_DISCARD_NBYTES))
             self._resume()
         else:
+            self.request[CLOSE_AFTER] = True
+            self.inner.close()
             reset(self.transport)
+
+    def _hand_back(self) -> bool:
+        """The transport back to aiohttp's protocol with a fresh HTTP parser (the old one still
+        waits for the body it never saw), reading again unless aiohttp paused it: the next
+        request on this connection is aiohttp's as usual. ``False`` (nothing changed) where
+        this aiohttp gives no fresh parser or the connection failed."""
+        if self._error is not None or self.transport.is_closing():
+            return False
+        fresh = fresh_parser(self.inner)
+        if fresh is None:
+            return False
+        self.request.content.feed_eof()  # aiohttp's view of this body ends: no lingering read
+        setattr(self.inner, *fresh)
+        self.transport.set_protocol(self.inner)
+        self._handed_back = True
+        if not getattr(self.inner, "_reading_paused", False) and not getattr(self.inner, "_buffer_paused", False):
+            self._reading = True
+            self.transport.resume_reading()
+        return True
 
     # -- asyncio.BufferedProtocol ---------------------------------------------------------
     def get_buffer(self, sizehint: int) -> memoryview:
