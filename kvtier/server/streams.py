@@ -193,16 +193,17 @@ def fresh_parser(protocol: asyncio.BaseProtocol) -> tuple[str, object] | None:
     return attribute, parser
 
 
-RECEIVE_MIN_NBYTES = 16 << 20
-RECEIVE_MIN_BLOCK_NBYTES = 1 << 20
+RECEIVE_MIN_NBYTES = 1 << 20
+RECEIVE_MIN_BLOCK_NBYTES = 256 << 10
 """A put body with at least :data:`RECEIVE_MIN_NBYTES` bytes still in the socket, of blocks
 of at least :data:`RECEIVE_MIN_BLOCK_NBYTES`, is received straight into its destinations
-(:class:`BodyReceiver`) and its connection closed after the reply; others keep aiohttp's reads
-and keep-alive. Where it was measured faster (issue 17, bench/results/2026-12-03-receive,
-2 vCPUs, uvloop, three runs): 1-4 MiB blocks in 16-32 MiB bodies at 1.03-1.37x aiohttp's GB/s
-and 0.50-0.78x its daemon CPU per GB (one run of 16 x 1 MiB even: 0.99x, CPU 1.00x); smaller bodies lose to the
-reconnect each put costs (one 2 MiB block: 0.67-0.80x), 256 KiB blocks to the round trip each
-frame costs (0.75-0.96x)."""
+(:class:`BodyReceiver`); others keep aiohttp's reads. Where it was measured faster (issue 17,
+bench/results/2026-12-03-keepalive, 2 vCPUs, uvloop, with the connection kept after the
+reply): every shape of 256 KiB-4 MiB blocks in bodies of 1-32 MiB at 1.06-1.36x aiohttp's GB/s
+and 0.62-0.94x its daemon CPU per GB; 64 KiB blocks lose (0.87-0.90x: a turn of the event loop
+per frame), 128 KiB blocks break even (1.02x), and so do bodies of one 256 KiB block
+(0.93x). Before keep-alive, a reconnect per put made it lose below 16 MiB bodies of 1 MiB
+blocks (bench/results/2026-12-03-receive)."""
 
 _DISCARD_NBYTES = 64 << 10  # one read's buffer for what comes after the body
 _PREFIX_NBYTES = frame_nbytes(bytes(32), 0)  # a put frame up to its payload: 161 bytes

@@ -32,8 +32,8 @@ import torch
 
 FRAME_NBYTES = frame_nbytes(bytes(32), SPEC.block_nbytes)
 BIG = KVSpec(num_layers=16, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.float16)  # 1 MiB blocks
-assert BIG.block_nbytes == streams.RECEIVE_MIN_BLOCK_NBYTES
-PUT_BLOCKS = streams.RECEIVE_MIN_NBYTES // BIG.block_nbytes + 1  # a put body the shipped thresholds receive
+assert BIG.block_nbytes >= streams.RECEIVE_MIN_BLOCK_NBYTES
+PUT_BLOCKS = max(streams.RECEIVE_MIN_NBYTES // BIG.block_nbytes + 1, 4)  # a put body the shipped thresholds receive
 LOOPS = [pytest.param("asyncio", marks=pytest.mark.slow), "uvloop"]  # the fast lane: the loop kvtier serves on
 
 
@@ -107,11 +107,11 @@ def test_a_body_cut_anywhere_lands_bit_exact_and_the_connection_carries_the_next
     client.close()
 
 
-@pytest.mark.slow  # 17 MiB puts: the fast lane covers the receiver with small bodies (receive_all)
+@pytest.mark.slow  # 4 MiB puts: the fast lane covers the receiver with small bodies (receive_all)
 @pytest.mark.parametrize("event_loop", LOOPS)
 @pytest.mark.parametrize("keep_alive", [True, False], ids=["fresh-parser", "no-fresh-parser"])
 def test_real_sized_puts_take_the_receiver_on_one_connection(thread_daemon, event_loop, keep_alive, monkeypatch):
-    """Bodies over the shipped thresholds (17 blocks of 1 MiB): every put is received from the
+    """Bodies over the shipped thresholds (4 blocks of 1 MiB): every put is received from the
     socket and RemoteTier's puts and gets all go over its one pooled connection; where aiohttp
     gives no fresh parser, each put's reply closes the connection and the next call opens
     another (still correct)."""
@@ -481,17 +481,18 @@ async def test_eof_and_loss_fail_the_fill_and_reach_aiohttps_protocol(receive_al
 
 
 async def test_no_receiver_where_aiohttps_reads_stay():
-    body = bytes(17 << 20)
+    body = bytes(streams.RECEIVE_MIN_NBYTES + (1 << 20))
+    block = streams.RECEIVE_MIN_BLOCK_NBYTES
     chunked = _Request(body, 0)
     chunked.headers["Transfer-Encoding"] = "chunked"
     unknown = _Request(body, 0)
     unknown.content_length = None
-    small = _Request(bytes(15 << 20), 0)
+    small = _Request(bytes(streams.RECEIVE_MIN_NBYTES - 1), 0)
     read = _Request(body, len(body) - 1000)  # all but 1000 bytes buffered by aiohttp
     handed = _Request(body, 0)
     handed.transport.protocol = object()
-    for request, block_nbytes in ((chunked, 1 << 20), (unknown, 1 << 20), (small, 1 << 20), (read, 1 << 20),
-                                  (handed, 1 << 20), (_Request(body, 0), 256 << 10)):
+    for request, block_nbytes in ((chunked, block), (unknown, block), (small, block), (read, block),
+                                  (handed, block), (_Request(body, 0), block - 1)):
         assert BodyReceiver.take(request, block_nbytes) is None
         assert request.transport.protocol is not None and not request.transport.calls
-    assert BodyReceiver.take(_Request(body, 0), 1 << 20) is not None
+    assert BodyReceiver.take(_Request(body, 0), block) is not None
