@@ -6,10 +6,11 @@ wait until the transport has sent it."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 from collections.abc import Sequence
 
-from aiohttp import web
+from aiohttp import http_parser, web, web_protocol
 
 from kvtier.server.connections import BodyClock, reset
 from kvtier.server.errors import error
@@ -170,19 +171,15 @@ def fresh_parser(protocol: asyncio.BaseProtocol) -> tuple[str, object] | None:
     3.9-3.14 do (``_request_parser``, or ``_parser`` from 3.14) or the class refuses those
     arguments. aiohttp has no public way to tell its parser that a body was read past it
     (:class:`BodyReceiver`): a fresh parser is how the connection gets its next request."""
-    from aiohttp import http_parser, web_protocol
-
-    classes = tuple(c for c in (getattr(http_parser, "HttpRequestParserPy", None),
-                                getattr(http_parser, "HttpRequestParserC", None)) if isinstance(c, type))
-    attribute = next((a for a in ("_parser", "_request_parser") if isinstance(getattr(protocol, a, None), classes)), None)
+    attribute = next((a for a in ("_parser", "_request_parser")
+                      if isinstance(getattr(protocol, a, None), _PARSER_CLASSES)), None)
     settings = getattr(getattr(protocol, "_manager", None), "_kwargs", None)
     if attribute is None or not isinstance(settings, dict):
         return None
-    defaults = inspect.signature(web_protocol.RequestHandler.__init__).parameters
-    names = ("read_bufsize", "max_line_size", "max_field_size", "max_headers", "auto_decompress")
-    if any(n not in defaults for n in names):
+    defaults = _handler_defaults(web_protocol.RequestHandler)
+    if defaults is None:
         return None
-    conf = {n: settings.get(n, defaults[n].default) for n in names}
+    conf = {n: settings.get(n, default) for n, default in defaults.items()}
     queue = {"max_msg_queue_size": protocol._max_msg_queue_size} if hasattr(protocol, "_max_msg_queue_size") else {}
     try:
         parser = type(getattr(protocol, attribute))(
@@ -191,6 +188,22 @@ def fresh_parser(protocol: asyncio.BaseProtocol) -> tuple[str, object] | None:
     except TypeError:
         return None
     return attribute, parser
+
+
+_PARSER_CLASSES = tuple(c for c in (getattr(http_parser, "HttpRequestParserPy", None),
+                                    getattr(http_parser, "HttpRequestParserC", None)) if isinstance(c, type))
+
+
+@functools.lru_cache(maxsize=4)
+def _handler_defaults(handler_class: type) -> dict | None:
+    """The defaults of the parser settings ``RequestHandler.__init__`` takes (read once: an
+    ``inspect.signature`` per put cost 3% of the daemon's busy samples); ``None`` when one is
+    missing."""
+    parameters = inspect.signature(handler_class.__init__).parameters
+    names = ("read_bufsize", "max_line_size", "max_field_size", "max_headers", "auto_decompress")
+    if any(n not in parameters for n in names):
+        return None
+    return {n: parameters[n].default for n in names}
 
 
 RECEIVE_MIN_NBYTES = 1 << 20

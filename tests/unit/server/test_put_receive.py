@@ -496,3 +496,12 @@ async def test_no_receiver_where_aiohttps_reads_stay():
         assert BodyReceiver.take(request, block_nbytes) is None
         assert request.transport.protocol is not None and not request.transport.calls
     assert BodyReceiver.take(_Request(body, 0), block) is not None
+
+
+def test_no_fresh_parser_for_a_protocol_that_is_not_aiohttps_handler():
+    class _Handler:  # the attributes' names, not aiohttp's objects
+        _parser = object()
+        _manager = type("M", (), {"_kwargs": {}})()
+
+    assert streams.fresh_parser(object()) is None
+    assert streams.fresh_parser(_Handler()) is None
