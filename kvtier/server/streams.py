@@ -208,7 +208,7 @@ def _handler_defaults(handler_class: type) -> dict | None:
 
 RECEIVE_MIN_NBYTES = 1 << 20
 RECEIVE_MIN_BLOCK_NBYTES = 256 << 10
-"""A put body with at least :data:`RECEIVE_MIN_NBYTES` bytes still in the socket, of blocks
+"""A put body of at least :data:`RECEIVE_MIN_NBYTES` bytes (its ``Content-Length``), of blocks
 of at least :data:`RECEIVE_MIN_BLOCK_NBYTES`, is received straight into its destinations
 (:class:`BodyReceiver`); others keep aiohttp's reads. Where it was measured faster (issue 17,
 bench/results/2026-12-03-keepalive, 2 vCPUs, uvloop, with the connection kept after the
@@ -282,13 +282,14 @@ class BodyReceiver(asyncio.BufferedProtocol):
     def take(cls, request: web.Request, block_nbytes: int) -> "BodyReceiver | None":
         """A receiver for the rest of ``request``'s body (frames of blocks of
         ``block_nbytes`` bytes), or ``None`` where aiohttp's reads stay: no ``Content-Length``,
-        fewer than :data:`RECEIVE_MIN_NBYTES` left, blocks under
+        a ``Content-Length`` under :data:`RECEIVE_MIN_NBYTES`, blocks under
         :data:`RECEIVE_MIN_BLOCK_NBYTES`, TLS, a transport already closing or handed to
-        another protocol."""
+        another protocol. Decided on the whole body, not on what aiohttp happened to buffer
+        before the handler ran (up to ~750 KiB on uvloop): the same put takes the same path
+        whatever the timing (the hostile-client review of the keep-alive change)."""
         transport, content, length = request.transport, request.content, request.content_length
-        if length is None or block_nbytes < RECEIVE_MIN_BLOCK_NBYTES \
-                or length - content.total_bytes < RECEIVE_MIN_NBYTES:  # most puts: aiohttp's reads
-            return None
+        if length is None or block_nbytes < RECEIVE_MIN_BLOCK_NBYTES or length < RECEIVE_MIN_NBYTES:
+            return None  # most puts: aiohttp's reads
         if transport is None or transport.is_closing() or content.at_eof() \
                 or transport.get_extra_info("sslcontext") is not None \
                 or transport.get_protocol() is not request.protocol or not hasattr(transport, "set_protocol") \
@@ -380,6 +381,10 @@ class BodyReceiver(asyncio.BufferedProtocol):
         setattr(self.inner, *fresh)
         self.transport.set_protocol(self.inner)
         self._handed_back = True
+        # uvloop's transport keeps the old protocol's bound methods: hold nothing of this
+        # request (its headers, what aiohttp had buffered: up to ~2.5 MiB a kept connection)
+        self.request = self.leftover = self._spare = self._target = self._digest = None
+        self._stash = bytearray()
         if not getattr(self.inner, "_reading_paused", False) and not getattr(self.inner, "_buffer_paused", False):
             self._reading = True
             self.transport.resume_reading()
