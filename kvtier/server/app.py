@@ -180,7 +180,8 @@ def _calls(supervisor: Supervisor):
 
 def _close_after(request: web.Request, response: web.StreamResponse) -> None:
     """``Connection: close`` on the reply to a request whose body went past aiohttp's parser
-    (kvtier.server.streams.BodyReceiver: aiohttp closes the connection after it anyway)."""
+    (kvtier.server.streams.BodyReceiver where this aiohttp gives no fresh parser: aiohttp
+    closes the connection after it anyway)."""
     if request.get(CLOSE_AFTER):
         response.force_close()
 
