@@ -239,9 +239,9 @@ class BodyReceiver(asyncio.BufferedProtocol):
     aiohttp's parser still counts the body as unread: once the whole body was read,
     :meth:`close` ends aiohttp's view of the body (no lingering read) and hands the transport
     back to aiohttp's protocol with a fresh parser (:func:`fresh_parser`), so the connection
-    carries the client's next request; opening a connection per put cost the client 8% more
-    CPU per GB and the put 9% of its GB/s (issue 17,
-    bench/results/2026-12-03-keepalive). Where this aiohttp gives no fresh parser, the reply
+    carries the client's next request; opening a connection per put cost the client 11% more
+    CPU per GB and the put 12% of its GB/s (issue 17,
+    bench/results/2026-12-03-keepalive/put_ab-1.txt). Where this aiohttp gives no fresh parser, the reply
     closes the connection (``request[CLOSE_AFTER]``) and the receiver stays the transport's
     protocol until then, dropping what comes after the body. Once a fill is
     done, reading goes on into a stash of at most one frame prefix (161 bytes: the next
