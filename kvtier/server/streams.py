@@ -6,7 +6,6 @@ wait until the transport has sent it."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 from collections.abc import Sequence
 
@@ -163,6 +162,25 @@ CLOSE_AFTER = _KEY("kvtier_close_after", bool) if _KEY else "kvtier_close_after"
 """``request[CLOSE_AFTER]``: the response closes the connection (set where a
 :class:`BodyReceiver` took the body past aiohttp's parser, which still waits for it)."""
 
+
+_PARSER_CLASSES = tuple(c for c in (getattr(http_parser, "HttpRequestParserPy", None),
+                                    getattr(http_parser, "HttpRequestParserC", None)) if isinstance(c, type))
+_PARSER_SETTINGS = ("read_bufsize", "max_line_size", "max_field_size", "max_headers", "auto_decompress")
+
+
+def _handler_defaults() -> dict | None:
+    """``RequestHandler.__init__``'s defaults of :data:`_PARSER_SETTINGS` (``None`` when one
+    is missing). Read once, at import: an ``inspect.signature`` per received put was 2.6% of
+    the daemon's busy put samples."""
+    parameters = inspect.signature(web_protocol.RequestHandler.__init__).parameters
+    if any(n not in parameters for n in _PARSER_SETTINGS):
+        return None
+    return {n: parameters[n].default for n in _PARSER_SETTINGS}
+
+
+_HANDLER_DEFAULTS = _handler_defaults()
+
+
 def fresh_parser(protocol: asyncio.BaseProtocol) -> tuple[str, object] | None:
     """``(attribute, parser)``: a new HTTP request parser for aiohttp's ``RequestHandler``
     ``protocol``, made as aiohttp makes the one a connection starts with (the same class, the
@@ -170,40 +188,22 @@ def fresh_parser(protocol: asyncio.BaseProtocol) -> tuple[str, object] | None:
     the handler attribute it goes in; ``None`` where this aiohttp's handler does not look as
     3.9-3.14 do (``_request_parser``, or ``_parser`` from 3.14) or the class refuses those
     arguments. aiohttp has no public way to tell its parser that a body was read past it
-    (:class:`BodyReceiver`): a fresh parser is how the connection gets its next request."""
+    (:class:`BodyReceiver`): a fresh parser is how the connection gets its next request.
+    Event-loop only (the parser takes the running loop)."""
     attribute = next((a for a in ("_parser", "_request_parser")
                       if isinstance(getattr(protocol, a, None), _PARSER_CLASSES)), None)
     settings = getattr(getattr(protocol, "_manager", None), "_kwargs", None)
-    if attribute is None or not isinstance(settings, dict):
+    if attribute is None or not isinstance(settings, dict) or _HANDLER_DEFAULTS is None:
         return None
-    defaults = _handler_defaults(web_protocol.RequestHandler)
-    if defaults is None:
-        return None
-    conf = {n: settings.get(n, default) for n, default in defaults.items()}
+    conf = {n: settings.get(n, default) for n, default in _HANDLER_DEFAULTS.items()}
     queue = {"max_msg_queue_size": protocol._max_msg_queue_size} if hasattr(protocol, "_max_msg_queue_size") else {}
     try:
         parser = type(getattr(protocol, attribute))(
-            protocol, asyncio.get_running_loop(), conf.pop("read_bufsize"), payload_exception=web_protocol.RequestPayloadError,
-            **conf, **queue)
+            protocol, asyncio.get_running_loop(), conf.pop("read_bufsize"),
+            payload_exception=web_protocol.RequestPayloadError, **conf, **queue)
     except TypeError:
         return None
     return attribute, parser
-
-
-_PARSER_CLASSES = tuple(c for c in (getattr(http_parser, "HttpRequestParserPy", None),
-                                    getattr(http_parser, "HttpRequestParserC", None)) if isinstance(c, type))
-
-
-@functools.lru_cache(maxsize=4)
-def _handler_defaults(handler_class: type) -> dict | None:
-    """The defaults of the parser settings ``RequestHandler.__init__`` takes (read once: an
-    ``inspect.signature`` per put cost 3% of the daemon's busy samples); ``None`` when one is
-    missing."""
-    parameters = inspect.signature(handler_class.__init__).parameters
-    names = ("read_bufsize", "max_line_size", "max_field_size", "max_headers", "auto_decompress")
-    if any(n not in parameters for n in names):
-        return None
-    return {n: parameters[n].default for n in names}
 
 
 RECEIVE_MIN_NBYTES = 1 << 20
@@ -212,10 +212,9 @@ RECEIVE_MIN_BLOCK_NBYTES = 256 << 10
 of at least :data:`RECEIVE_MIN_BLOCK_NBYTES`, is received straight into its destinations
 (:class:`BodyReceiver`); others keep aiohttp's reads. Where it was measured faster (issue 17,
 bench/results/2026-12-03-keepalive, 2 vCPUs, uvloop, with the connection kept after the
-reply): every shape of 256 KiB-4 MiB blocks in bodies of 1-32 MiB at 1.06-1.36x aiohttp's GB/s
+reply): every shape of 256 KiB-4 MiB blocks in bodies of 1-32 MiB at 1.04-1.36x aiohttp's GB/s
 and 0.62-0.94x its daemon CPU per GB; 64 KiB blocks lose (0.87-0.90x: a turn of the event loop
-per frame), 128 KiB blocks break even (1.02x), and so do bodies of one 256 KiB block
-(0.93x). Before keep-alive, a reconnect per put made it lose below 16 MiB bodies of 1 MiB
+per frame), 128 KiB blocks break even (1.02x), a body of one 256 KiB block loses (0.93x). Before keep-alive, a reconnect per put made it lose below 16 MiB bodies of 1 MiB
 blocks (bench/results/2026-12-03-receive)."""
 
 _DISCARD_NBYTES = 64 << 10  # one read's buffer for what comes after the body
@@ -354,17 +353,16 @@ class BodyReceiver(asyncio.BufferedProtocol):
             self._watch.cancel()
         if self._lost or self._discard is not None or self._handed_back:
             return
-        if consumed and not self.available:
-            if self._hand_back():
-                return
-            self.request[CLOSE_AFTER] = True
-            self.inner.close()  # aiohttp closes the connection once the reply is sent
+        consumed = consumed and not self.available
+        if consumed and self._hand_back():
+            return
+        self.request[CLOSE_AFTER] = True
+        self.inner.close()  # aiohttp closes the connection once the reply is sent
+        if consumed:
             self.request.content.feed_eof()
             self._discard = memoryview(bytearray(_DISCARD_NBYTES))
             self._resume()
         else:
-            self.request[CLOSE_AFTER] = True
-            self.inner.close()
             reset(self.transport)
 
     def _hand_back(self) -> bool:
@@ -383,10 +381,9 @@ class BodyReceiver(asyncio.BufferedProtocol):
         self._handed_back = True
         # uvloop's transport keeps the old protocol's bound methods: hold nothing of this
         # request (its headers, what aiohttp had buffered: up to ~2.5 MiB a kept connection)
-        self.request = self.leftover = self._spare = self._target = self._digest = None
+        self.request = self.leftover = self._spare = None
         self._stash = bytearray()
         if not getattr(self.inner, "_reading_paused", False) and not getattr(self.inner, "_buffer_paused", False):
-            self._reading = True
             self.transport.resume_reading()
         return True
 

@@ -501,10 +501,24 @@ async def test_no_receiver_where_aiohttps_reads_stay():
     assert BodyReceiver.take(_Request(body, len(body) - 1000), block).remaining == 1000
 
 
-def test_no_fresh_parser_for_a_protocol_that_is_not_aiohttps_handler():
-    class _Handler:  # the attributes' names, not aiohttp's objects
-        _parser = object()
-        _manager = type("M", (), {"_kwargs": {}})()
+async def test_a_fresh_parser_only_for_what_looks_like_aiohttps_handler():
+    """fresh_parser gives a new parser of the handler's own class, in the attribute it holds
+    it in, built with its server's settings; anything else gets None (the close fallback)."""
+    from aiohttp.http_parser import HttpRequestParserPy
 
+    class _Handler:  # aiohttp's names: a parser, and a manager with the handlers' settings
+        def __init__(self, attribute: str, settings) -> None:
+            setattr(self, attribute, HttpRequestParserPy(self, asyncio.get_running_loop(), 2 ** 16))
+            self._manager = type("Server", (), {"_kwargs": settings})()
+
+    for attribute in ("_parser", "_request_parser"):
+        handler = _Handler(attribute, {"max_line_size": 100, "auto_decompress": False})  # (the daemon's)
+        name, parser = streams.fresh_parser(handler)
+        assert name == attribute and type(parser) is HttpRequestParserPy and parser is not getattr(handler, attribute)
+        assert parser.max_line_size == 100 and parser._auto_decompress is False and parser.protocol is handler
+        assert parser.max_field_size == 8190  # RequestHandler's default where the server sets none
     assert streams.fresh_parser(object()) is None
-    assert streams.fresh_parser(_Handler()) is None
+    assert streams.fresh_parser(_Handler("_parser", None)) is None  # no server settings
+    not_a_parser = _Handler("_parser", {})
+    not_a_parser._parser = object()
+    assert streams.fresh_parser(not_a_parser) is None
