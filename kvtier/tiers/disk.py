@@ -30,7 +30,9 @@ bench/results/2026-12-02-perf-disk/README.md; issue 17). Batches of blocks of >=
 victim, and run the caller's copy-in after each put, on the tier's writer thread while LMDB
 copies on the caller's (:class:`_WriteOverlap`: store() into a full slab of 2 MiB blocks
 0.47-0.52x -> 0.67-0.69x of a raw write, its spill 0.69-0.77x -> 0.87-1.00x, same process,
-bench/results/2026-12-02-overlap/).
+bench/results/2026-12-02-overlap/); the caller never waits for a hash, a header whose hash is
+still running is written before the commit (0.57x -> 0.69-0.71x on a later VM,
+bench/results/2026-12-03-deferred-headers/).
 
 Reads copy the payload straight out of LMDB's map into the destination (one copy, hashed
 chunk by chunk while hot: :func:`kvtier.records.decode_into`); a cold record comes in by
@@ -245,7 +247,12 @@ class DiskTier:
             one bool per put: ``True`` when stored (or already present), ``False`` when it did
             not fit (the caller must make room first; the cap is never exceeded) or the disk
             or map is full (D3: a failed store is a return value, stored blocks stay readable).
+
+        Raises:
+            ValueError: a block hash appears twice in ``puts`` (nothing is written).
         """
+        if len({put[0] for put in puts}) != len(puts):
+            raise ValueError("expected distinct block hashes in one write_batch, got a repeated one")
         if self.read_only:
             return [False] * len(puts)
         with self._lock:
@@ -297,6 +304,7 @@ class DiskTier:
                     staged.append((h, IndexEntry(self._seq, size, fingerprint, False)))
                     results.append(True)
                 if overlap is not None:
+                    overlap.write_headers()  # every record's header before the commit
                     overlap.finish()  # a copy-in that raised aborts the transaction, as on one thread
         except (lmdb.Error, OSError, struct.error) as exc:
             # Nothing of this transaction is visible; the index is unchanged.
@@ -335,7 +343,7 @@ class DiskTier:
             if not self._kept(put[0], gone):
                 seq += 1
                 seqs[i] = seq
-        return _WriteOverlap(self._writer, puts, seqs)
+        return _WriteOverlap(self._writer, puts, seqs, self.page_nbytes)
 
     def _synced(self) -> tuple[int, int, int]:
         """The records environment's (data.mdb's inode, last transaction id, entries): what the
@@ -661,10 +669,26 @@ class _WriteOverlap:
     must stay on the thread that began it (LMDB's writer mutex), but py-lmdb releases the GIL
     in ``mdb_put``, as xxhash and torch's copies do, so the hash of the next victim and the
     copy-in after the last put run beside the put: each block's hash is submitted one put
-    ahead, and a hash the writer thread has not started by the time its block's put is done is
-    taken back and computed on the caller's thread, its block still in cache (the two threads
-    share the work as their speeds allow). Headers are hashed with the sequence each put
-    would get; one whose sequence changed (an earlier put refused for room) is hashed again.
+    ahead (from its slot, before that slot's copy-in, which the writer runs after it). The
+    caller never waits for a hash: once LMDB has copied a block, a hash already done is
+    written into the record's header; one the writer has not started is taken back and
+    computed from LMDB's copy on the caller's thread (still in its cache; the slot's copy-in
+    may be running); one still running is written once it is done, before the commit
+    (:meth:`write_headers`). Waiting for that running hash after every put left the caller
+    idle for 17% of a store into a full slab while the writer, queued behind the copy-ins,
+    still hashed (py-spy): deferring it took store() into a full slab of 2 MiB blocks from
+    0.57x to 0.69-0.71x of a raw write (bench/transfers.py, three alternating runs of each
+    tree; bench/results/2026-12-03-deferred-headers/; issue 17).
+    Headers are hashed with the sequence each put would get; one whose sequence changed (an
+    earlier put refused for room) is hashed again.
+
+    A deferred header is written into the value's pages after later puts of the same
+    transaction: only for a value of at least a page (``overflow_nbytes``), which LMDB keeps on
+    overflow pages of its own that later puts of other keys never move (a value in a leaf node
+    moves when the leaf splits), with ``writemap``, as every DiskTier opens it (no dirty
+    list: the pages are the map's, never spilled), and in a batch that puts each key once
+    (:meth:`DiskTier.write_batch` refuses a repeated one: a second value under a key may be
+    written into the first's pages).
 
     ``after_put`` calls run on the writer thread, one at a time and in order, under the
     caller's grad and inference modes; :meth:`finish` waits for every one before the batch
@@ -672,12 +696,14 @@ class _WriteOverlap:
     one raised.
     """
 
-    def __init__(self, writer: ThreadPoolExecutor, puts: Sequence, seqs: dict[int, int]) -> None:
+    def __init__(self, writer: ThreadPoolExecutor, puts: Sequence, seqs: dict[int, int], overflow_nbytes: int) -> None:
         self._writer, self._puts, self._seqs = writer, puts, seqs
+        self._overflow_nbytes = overflow_nbytes
         self._order = list(seqs)  # put indices, in order
         self._position = {i: p for p, i in enumerate(self._order)}
         self._submitted = 0  # hashes submitted: self._order[:self._submitted]
         self._hashes: dict[int, Future] = {}
+        self._deferred: list[tuple[Future, np.ndarray]] = []  # (a running hash, its stored value)
         self._copies: list[Future] = []
         self._grad, self._inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
@@ -685,19 +711,46 @@ class _WriteOverlap:
         self, txn, i: int, h: BlockHash, namespace: bytes, block: torch.Tensor, seq: int, fingerprint: bytes,
     ) -> None:
         """Put ``puts[i]`` (``h``, ``namespace``, ``block``, ``fingerprint``: its fields) with
-        sequence ``seq``: :func:`put_record`'s bytes, whose errors it raises."""
+        sequence ``seq``: :func:`put_record`'s bytes (the header maybe written later, by
+        :meth:`write_headers`), whose errors it raises."""
         self._hash_ahead(self._position[i] + 1)
         future = self._hashes.pop(i, None)
         if future is not None and self._seqs[i] != seq:
             future.cancel()
             future = None
 
-        def header() -> bytes:
-            if future is not None and not future.cancel():
-                return future.result()
-            return encode_header(namespace, block, seq, fingerprint)
+        def header(value: np.ndarray) -> bytes | None:
+            if future is not None and (future.done() or not future.cancel()):
+                if future.done() or len(value) < self._overflow_nbytes:
+                    return future.result()
+                self._deferred.append((future, value))  # running: written once done
+                return None
+            return encode_header(namespace, block, seq, fingerprint, payload=value[HEADER_NBYTES:])
 
         put_record(txn, h, namespace, block, seq, fingerprint, header)
+        if self._deferred:
+            self._write_done()
+
+    def write_headers(self) -> None:
+        """Write every deferred header (waiting for its hash); before the commit. Raises what
+        a hash raised."""
+        deferred, self._deferred = self._deferred, []
+        for k, (future, value) in enumerate(deferred):
+            try:
+                write_header(value, future.result())
+            except BaseException:
+                self._deferred = deferred[k + 1 :]  # finish() waits for them
+                raise
+
+    def _write_done(self) -> None:
+        """Write the deferred headers whose hash is done, in order, without waiting."""
+        k = 0
+        for future, value in self._deferred:
+            if not future.done():
+                break
+            write_header(value, future.result())
+            k += 1
+        del self._deferred[:k]
 
     def after_put(self, fn: Callable[[int], None], i: int) -> None:
         """Run ``fn(i)`` on the writer thread after the work submitted before it (on this
@@ -716,13 +769,16 @@ class _WriteOverlap:
         self._copies.append(future)
 
     def finish(self) -> None:
-        """Wait for the writer thread's part of the batch (hashes not started are dropped)."""
+        """Wait for the writer thread's part of the batch (hashes not started are dropped;
+        headers not written by :meth:`write_headers` are not: the transaction is failing)."""
         for future in self._hashes.values():
             future.cancel()
-        for future in self._hashes.values():
+        pending = [*self._hashes.values(), *(future for future, _ in self._deferred)]
+        for future in pending:
             if not future.cancelled():
                 future.exception()  # its result is not used; waited so that nothing of the batch runs after it
         self._hashes.clear()
+        self._deferred.clear()
         first: BaseException | None = None
         for future in self._copies:
             exc = future.exception()
@@ -780,7 +836,7 @@ def _lock_directory(path: Path):
 
 def put_record(
     txn, key: bytes, namespace: bytes, block: torch.Tensor, seq: int, fingerprint: bytes,
-    header: Callable[[], bytes] | None = None,
+    header: Callable[[np.ndarray], bytes | None] | None = None,
 ) -> None:
     """Write ``block``'s record (:func:`kvtier.records.encode_record`'s bytes exactly) under
     ``key`` in the LMDB write transaction ``txn`` (begun with ``buffers=True``), copying the
@@ -792,12 +848,16 @@ def put_record(
     raw write). Instead, when the ``HEADER_NBYTES`` before the block belong to the same
     tensor storage (every CPU pool slot: :class:`kvtier.tiers.pool.BlockPool` keeps a page
     before slot 0), LMDB copies those bytes plus the block straight into the map (one copy),
-    and the header, hashed from the block beforehand (:func:`kvtier.records.encode_header`),
-    is written over the first ``HEADER_NBYTES`` of the value LMDB just stored
+    and the header is written over the first ``HEADER_NBYTES`` of the value LMDB just stored
     (:func:`put_framed`). Any other block (slot 0 of an unpadded tensor, a copy of a GPU
-    block) takes the buffered :func:`~kvtier.records.encode_record`. ``header``: returns
-    :func:`~kvtier.records.encode_header`'s bytes for this block, called after LMDB's copy
-    (:class:`_WriteOverlap` hashes on another thread meanwhile); default: hashed here then.
+    block) takes the buffered :func:`~kvtier.records.encode_record`.
+
+    ``header(value)``: called once LMDB has copied the block, with the value as stored (a
+    read-only ``uint8`` array over the transaction's pages, :data:`HEADER_NBYTES` borrowed
+    bytes then the block's); returns :func:`~kvtier.records.encode_header`'s bytes for this
+    block, to be written now, or ``None`` when the caller writes them itself with
+    :func:`write_header` before the transaction commits (:class:`_WriteOverlap`: only for a
+    value on LMDB's overflow pages). Default: the block hashed here.
 
     Raises:
         lmdb.Error: the put failed (map full, ...): nothing of the record is visible.
@@ -806,7 +866,7 @@ def put_record(
     if framed is None:
         txn.put(key, encode_record(namespace, block, seq, fingerprint))
         return
-    put_framed(txn, key, framed, header or (lambda: encode_header(namespace, block, seq, fingerprint)))
+    put_framed(txn, key, framed, header or (lambda _: encode_header(namespace, block, seq, fingerprint)))
 
 
 def is_framed(block: torch.Tensor) -> bool:
@@ -826,14 +886,14 @@ def framed_block(block: torch.Tensor) -> ctypes.Array | None:
     return (ctypes.c_uint8 * (HEADER_NBYTES + nbytes)).from_address(block.data_ptr() - HEADER_NBYTES)
 
 
-def put_framed(txn, key: bytes, framed: ctypes.Array, header: Callable[[], bytes]) -> None:
-    """Put ``framed`` (:func:`framed_block`) under ``key``, then write ``header()`` (the
-    record's ``HEADER_NBYTES``, called after the put: a caller may hash the block on another
-    thread while LMDB copies it, py-lmdb releasing the GIL in ``mdb_put``) over the value's
-    first bytes: a value put in this transaction lies in its own dirty pages until commit
-    (LMDB's ``MDB_RESERVE`` contract: mdb_put(3)), which ``txn.get`` with ``buffers=True``
-    points at. The borrowed bytes before the block are never stored: all of them are
-    overwritten before the commit.
+def put_framed(txn, key: bytes, framed: ctypes.Array, header: Callable[[np.ndarray], bytes | None]) -> None:
+    """Put ``framed`` (:func:`framed_block`) under ``key``, then write ``header(value)``
+    (:func:`put_record`'s callback, called after the put: a caller may hash the block on
+    another thread while LMDB copies it, py-lmdb releasing the GIL in ``mdb_put``) over the
+    value's first bytes: a value put in this transaction lies in its own dirty pages until
+    commit (LMDB's ``MDB_RESERVE`` contract: mdb_put(3)), which ``txn.get`` with
+    ``buffers=True`` points at. The borrowed bytes before the block are never stored: all of
+    them are overwritten before the commit.
 
     Raises:
         lmdb.Error: the put failed (map full, ...) or reads back short.
@@ -842,8 +902,18 @@ def put_framed(txn, key: bytes, framed: ctypes.Array, header: Callable[[], bytes
     stored = txn.get(key)
     if stored is None or len(stored) != len(framed):
         raise lmdb.Error(f"a record just put reads back as {None if stored is None else len(stored)} bytes")
-    record = header()
-    ctypes.memmove(np.frombuffer(stored, dtype=np.uint8).ctypes.data, record, HEADER_NBYTES)
+    value = np.frombuffer(stored, dtype=np.uint8)
+    record = header(value)
+    if record is not None:
+        write_header(value, record)
+
+
+def write_header(value: np.ndarray, header: bytes) -> None:
+    """``header`` (:data:`HEADER_NBYTES`) over the first bytes of ``value``, a value LMDB
+    stored in the current write transaction (:func:`put_framed`): a plain store, holding the
+    GIL (a ``ctypes.memmove`` would release and take it again, a wait behind the writer
+    thread's Python on every block)."""
+    (ctypes.c_char * HEADER_NBYTES).from_address(value.ctypes.data)[:] = header
 
 
 def record_footprint(payload_nbytes: int, page_nbytes: int = 4096) -> int:

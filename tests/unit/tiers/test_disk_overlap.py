@@ -216,3 +216,125 @@ def test_a_batch_written_while_the_interpreter_shuts_down_still_lands(tmp_path, 
     tier.check()
     monkeypatch.setattr(cf_thread, "_shutdown", False)
     tier.close()
+
+
+# -- headers written once their hash is done (issue 17: the caller never waits for a hash) --------
+BIG = tiny_spec(block_size=64)  # 8 KiB blocks: values of more than a page, on LMDB's overflow pages
+
+
+class _Choreography:
+    """Makes the writer thread's hash of block ``held`` be running (started, not done) when
+    the caller's put of it asks for its header, and keeps it running until the caller's put of
+    block ``until`` returned: block ``held``'s header is deferred past later puts, and the
+    hashes queued behind it (``held + 1`` .. ``until``) are not started when their puts end
+    (taken back by the caller). ``fail``: the held hash raises once released. Records which
+    puts left a header deferred (``deferred``: batch indices)."""
+
+    def __init__(self, monkeypatch, blocks: torch.Tensor, held: int, until: int, fail: bool = False) -> None:
+        self.deferred: list[int] = []
+        self.started, self.released = threading.Event(), threading.Event()
+        held_ptr, until_ptr = blocks[held].data_ptr(), blocks[until].data_ptr()
+        real_header, real_put, real_overlap_put = disk_module.encode_header, disk_module.put_record, \
+            disk_module._WriteOverlap.put
+        choreo = self
+
+        def encode_header(namespace, block, *args, **kwargs):
+            if threading.current_thread().name.startswith("kvtier-disk-write") and block.data_ptr() == held_ptr:
+                choreo.started.set()
+                assert choreo.released.wait(5.0), "the caller never released the held hash"
+                if fail:
+                    raise RuntimeError("hash failed")
+            return real_header(namespace, block, *args, **kwargs)
+
+        def put_record(txn, key, namespace, block, *args, **kwargs):
+            if block.data_ptr() == held_ptr:
+                assert choreo.started.wait(5.0), "the writer never started the held hash"
+            real_put(txn, key, namespace, block, *args, **kwargs)
+            if block.data_ptr() == until_ptr:
+                choreo.released.set()
+
+        def overlap_put(self, txn, i, *args, **kwargs):
+            last = self._deferred[-1] if self._deferred else None
+            real_overlap_put(self, txn, i, *args, **kwargs)
+            if self._deferred and self._deferred[-1] is not last:
+                choreo.deferred.append(i)
+
+        monkeypatch.setattr(disk_module, "encode_header", encode_header)
+        monkeypatch.setattr(disk_module, "put_record", put_record)
+        monkeypatch.setattr(disk_module._WriteOverlap, "put", overlap_put)
+
+
+def test_a_running_hash_is_written_after_later_puts_and_queued_ones_are_taken_back(tmp_path, overlapped,
+                                                                                   monkeypatch):
+    """Block 1's hash is still running when its put ends (deferred past the puts of blocks
+    2-4); blocks 2-4's hashes, queued behind it, are computed by the caller from LMDB's copy
+    while each slot's copy-in overwrites the slot: every record is encode_record's bytes of
+    the block as it was, and reads back OK."""
+    pool = filled_pool(8, BIG, seed=5)
+    choreo = _Choreography(monkeypatch, pool.tensor, held=1, until=4)
+    before = pool.tensor.clone()
+    fps = [hashlib.sha256(b"fp %d" % i).digest() for i in range(8)]
+    tier = DiskTier(tmp_path, 1 << 22)
+
+    def clobber(i: int) -> None:  # the next block's copy-in, as store() into a full slab does
+        pool.tensor[i].fill_(float(i + 1000))
+
+    puts = [(_hash(i), NS, pool.tensor[i], fps[i]) for i in range(8)]
+    assert tier.write_batch(puts, after_put=clobber) == [True] * 8
+    assert 1 in choreo.deferred and not {2, 3, 4} & set(choreo.deferred)  # deferred; taken back
+    assert torch.equal(pool.tensor[3], torch.full_like(pool.tensor[3], 1003.0))  # the slots were overwritten
+    assert _stored(tier, [_hash(i) for i in range(8)]) == [
+        encode_record(NS, before[i], seq, fps[i]).tobytes() for i, seq in enumerate(range(1, 9))]
+    for i in range(8):
+        out = torch.empty(BIG.block_shape, dtype=BIG.dtype)
+        assert tier.read_into(_hash(i), NS, out, fps[i]) is ReadStatus.OK and torch.equal(out, before[i])
+    tier.check()
+    tier.close()
+
+
+def test_a_batch_repeating_a_key_is_refused_whole(tmp_path):
+    """A second value under a key may be written into the first's pages (and the index holds
+    a key once): a batch that repeats one is a ValueError, nothing of it written."""
+    pool = filled_pool(3, BIG, seed=6)
+    tier = DiskTier(tmp_path, 1 << 22)
+    with pytest.raises(ValueError, match="distinct block hashes"):
+        tier.write_batch([(_hash(0), NS, pool.tensor[0]), (_hash(1), NS, pool.tensor[1]),
+                          (_hash(0), NS, pool.tensor[2])])
+    assert len(tier) == 0 and _stored(tier, [_hash(0), _hash(1)]) == [None, None]
+    assert tier.write_batch([(_hash(0), NS, pool.tensor[0]), (_hash(1), NS, pool.tensor[1])]) == [True, True]
+    tier.check()
+    tier.close()
+
+
+def test_values_under_a_page_are_never_deferred(tmp_path, overlapped, monkeypatch):
+    """A value in a leaf node moves when the leaf splits: its header is written at once, the
+    caller waiting for its running hash."""
+    pool = _pool(8, seed=7)
+    assert pool.tensor[0].numel() * pool.tensor.element_size() + 128 < 4096
+    choreo = _Choreography(monkeypatch, pool.tensor, held=1, until=1)
+    tier = DiskTier(tmp_path, 1 << 20)
+    threading.Timer(0.05, choreo.released.set).start()  # put(1) waits for the held hash: release it
+    assert tier.write_batch([(_hash(i), NS, pool.tensor[i]) for i in range(8)]) == [True] * 8
+    assert choreo.started.is_set() and choreo.deferred == []
+    assert _stored(tier, [_hash(i) for i in range(8)]) == [
+        encode_record(NS, pool.tensor[i], i + 1).tobytes() for i in range(8)]
+    tier.close()
+
+
+def test_a_deferred_hash_that_raises_aborts_the_batch(tmp_path, overlapped, monkeypatch):
+    """A deferred hash that fails on the writer thread fails the batch: nothing of it is
+    committed (no record whose header was never written), what was stored before stays, the
+    tier goes on."""
+    pool = filled_pool(6, BIG, seed=8)
+    tier = DiskTier(tmp_path, 1 << 22)
+    assert tier.write_batch([(_hash(100), NS, pool.tensor[5])]) == [True]
+    choreo = _Choreography(monkeypatch, pool.tensor, held=2, until=3, fail=True)
+    with pytest.raises(RuntimeError, match="hash failed"):
+        tier.write_batch([(_hash(i), NS, pool.tensor[i]) for i in range(5)])
+    assert 2 in choreo.deferred
+    assert _stored(tier, [_hash(i) for i in range(5)]) == [None] * 5
+    assert _hash(100) in tier and len(tier) == 1
+    monkeypatch.undo()
+    assert tier.write_batch([(_hash(i), NS, pool.tensor[i]) for i in range(5)]) == [True] * 5
+    tier.check()
+    tier.close()
