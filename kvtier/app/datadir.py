@@ -5,7 +5,7 @@ default ``$XDG_CACHE_HOME/kvtier`` or ``~/.cache/kvtier``)::
 
     <dir>/disk/                      a store's DISK tier (kvtier demo, the library):
         data.mdb, lock.mdb           the LMDB environment (data.mdb is sparse: ls -l shows
-                                     the map size, disk_bytes * 1.25 + 64 MiB; du what is used)
+                                     the map size, disk_bytes * 1.25 + 192 MiB; du what is used)
         index/                       its index (hash -> footprint, fingerprint, order), an
                                      LMDB environment of its own: opening reads it, not the records
         kvtier.lock                  flock'ed (exclusive) by the one process that has it open

@@ -5,7 +5,7 @@ start there), then DISK. Eviction is segmented LRU per tier (:mod:`kvtier.tiers.
 skipping pinned and pending blocks (:mod:`kvtier.store.residency`). Blocks of one request are
 touched tail first, so a request's tail is evicted before its head and a shared prefix goes
 last (vLLM's free-block queue; LMCache issue 1116). Under ``write_back`` victims spill one
-tier down (pool -> next pool -> DISK, batched into LMDB transactions of ~128 MiB) unless that
+tier down (pool -> next pool -> DISK, batched into LMDB transactions of ~64 MiB) unless that
 tier already holds them; DISK victims are dropped. A store into the last pool may write each
 new block into a victim's slot as soon as LMDB has copied the victim (``make_room``'s
 ``refill``: the slot is still in cache, so the copy-in does not read it from DRAM again; for
@@ -26,21 +26,11 @@ from kvtier.config import StoreConfig
 from kvtier.store.events import KVEventPublisher
 from kvtier.store.residency import Residency
 from kvtier.store.results import StoreStats
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk import DISK_TXN_BYTES, DiskTier
 from kvtier.tiers.pool import BlockPool
 from kvtier.types import BlockHash, Fingerprint, KVSpec, Medium
 
 logger = logging.getLogger(__name__)
-
-DISK_TXN_BYTES = 128 << 20
-"""Blocks per LMDB write transaction when spilling: one transaction per ~128 MiB. Each
-transaction ends with its last hash and copy-in on the tier's writer thread while the caller
-waits, then the commit while the writer waits (kvtier.tiers.disk._WriteOverlap): store() into a
-full CPU slab of 2 MiB blocks ran at 0.66x of a raw write with 32 MiB transactions, 0.68-0.71x
-with 64 MiB and 0.71-0.72x with 128 MiB (bench/transfers.py, alternating, issue 17,
-bench/results/2026-12-03-deferred-headers/txn_bytes.txt). Not far larger: a transaction holds
-the DISK tier's lock (other writes wait), and without ``writemap`` (every DiskTier opens with
-it) LMDB would spill its dirty-page list past about 512 MiB of pages."""
 
 
 class Placement:
@@ -286,7 +276,7 @@ class Placement:
     def spill_to_disk(
         self, pool: BlockPool, block_hashes: list[BlockHash], after_put: Callable[[BlockHash], None] | None = None
     ) -> None:
-        """Write blocks of ``pool`` to DISK, batched into LMDB transactions of ~128 MiB
+        """Write blocks of ``pool`` to DISK, batched into LMDB transactions of ~64 MiB
         (evicting DISK victims in the first); keeps the newest that fit. ``after_put(h)``:
         called once LMDB has copied ``h``'s slot (``DiskTier.write_batch``'s ``after_put``)."""
         if not block_hashes or self.disk is None:

@@ -230,3 +230,31 @@ def test_no_refill_while_cuda_is_in_use(make_store, monkeypatch):
     statuses, on_disk = _disk_bytes(store, old[4:])
     assert statuses == [ReadStatus.OK] * 4 and torch.equal(on_disk, old_blocks[4:])
     store.check_invariants()
+
+
+def test_a_write_through_job_is_written_in_transactions_of_disk_txn_bytes(make_store, monkeypatch):
+    """A DISK write job of more than DISK_TXN_BYTES (a write-through store's chunk can be half
+    the host pool) goes in transactions of at most that much, the most the map's slack is
+    sized for (kvtier.tiers.disk.DISK_TXN_BYTES); every block lands and reads back."""
+    from kvtier.transfer import handlers
+
+    monkeypatch.setattr(handlers, "DISK_TXN_BYTES", 3 * SPEC.block_nbytes)
+    batches: list[int] = []
+    real = DiskTier.write_batch
+
+    def spy(self, puts=(), deletes=(), *args, **kwargs):
+        if puts:
+            batches.append(len(puts))
+        return real(self, puts, deletes, *args, **kwargs)
+
+    monkeypatch.setattr(DiskTier, "write_batch", spy)
+    store = make_store(gpu_blocks=0, cpu_blocks=16, disk_blocks=32, write_policy="write_through")
+    hashes, blocks = chain(8, SPEC, NS), random_blocks(SPEC, 8, seed=21)
+    assert store.store(hashes, blocks) == 8
+    store.wait_for_writes()
+    assert batches == [3, 3, 2]
+    assert all(h in store.disk for h in hashes)
+    store.top.clear()
+    n, out = read_back(store, hashes)
+    assert n == 8 and torch.equal(out, blocks)
+    store.check_invariants()

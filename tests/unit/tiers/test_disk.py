@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import lmdb
@@ -239,3 +240,33 @@ def test_another_versions_records_survive_opening_the_directory(tmp_path):
     with env.begin() as txn:
         assert txn.get(key) == bytes(value)  # kept as it was
     env.close()
+
+
+@pytest.mark.slow
+def test_a_small_tier_spills_in_steady_state_without_filling_its_map(tmp_path):
+    """A tier of 200 MiB taking batches of DISK_TXN_BYTES that each evict the oldest records
+    (as every spill into a full tier does): LMDB cannot reuse pages freed by the current or
+    the previous transaction, so the map needs two transactions' worth of slack beyond the
+    cap; without it every spill from the third on failed with MDB_MAP_FULL, for good (the
+    hostile review of issue 17's deferred headers). Every batch lands, every record reads back."""
+    from kvtier.store.placement import DISK_TXN_BYTES
+    from kvtier.tiers.disk import record_footprint
+
+    block_nbytes = 2 << 20
+    n = DISK_TXN_BYTES // block_nbytes
+    data = torch.cat([torch.zeros(32), torch.randn(n * block_nbytes // 4)])[32:].view(n, -1)  # 128 B before slot 0
+    tier = DiskTier(tmp_path, 200 << 20)
+    per = record_footprint(block_nbytes)
+    written: list[bytes] = []
+    for r in range(8):
+        hashes = [hashlib.sha256(b"steady %d %d" % (r, i)).digest() for i in range(n)]
+        room = tier.capacity_bytes - tier.used_bytes
+        victims = list(tier.lru_order())[: max(0, -(-(n * per - room) // per))]
+        assert tier.write_batch([(h, NS, data[i]) for i, h in enumerate(hashes)], deletes=victims) == [True] * n, r
+        written = [h for h in written if h not in victims] + hashes
+    assert set(tier.lru_order()) == set(written)
+    out = torch.empty_like(data[0])
+    for i, h in enumerate(written[-n:]):
+        assert tier.read_into(h, NS, out) is ReadStatus.OK and torch.equal(out, data[i])
+    tier.check()
+    tier.close()

@@ -338,3 +338,68 @@ def test_a_deferred_hash_that_raises_aborts_the_batch(tmp_path, overlapped, monk
     assert tier.write_batch([(_hash(i), NS, pool.tensor[i]) for i in range(5)]) == [True] * 5
     tier.check()
     tier.close()
+
+
+def test_a_copy_in_run_here_at_shutdown_waits_for_the_running_hash_of_its_slot(tmp_path, overlapped, monkeypatch):
+    """The interpreter starts shutting down right after the put of block 0, whose hash is still
+    running on the writer: its after_put (the next block's copy into the slot) then runs on
+    the caller's thread, and must wait for that hash, or the record gets the checksum of other
+    bytes (the hostile review: block 0 read back CORRUPT)."""
+    import concurrent.futures.thread as cf_thread
+
+    pool = filled_pool(4, BIG, seed=12)
+    choreo = _Choreography(monkeypatch, pool.tensor, held=0, until=3)
+    before = pool.tensor.clone()
+    real_put = disk_module.put_record
+
+    def put_then_shut_down(txn, key, namespace, block, *args, **kwargs):
+        real_put(txn, key, namespace, block, *args, **kwargs)
+        if block.data_ptr() == pool.tensor[0].data_ptr():
+            monkeypatch.setattr(cf_thread, "_shutdown", True)
+            threading.Timer(0.1, choreo.released.set).start()  # the held hash goes on a bit later
+
+    monkeypatch.setattr(disk_module, "put_record", put_then_shut_down)
+    tier = DiskTier(tmp_path, 1 << 22)
+    puts = [(_hash(i), NS, pool.tensor[i]) for i in range(4)]
+    assert tier.write_batch(puts, after_put=lambda i: pool.tensor[i].fill_(float(i + 1000))) == [True] * 4
+    monkeypatch.setattr(cf_thread, "_shutdown", False)
+    assert choreo.deferred == [0]
+    assert _stored(tier, [_hash(i) for i in range(4)]) == [
+        encode_record(NS, before[i], i + 1).tobytes() for i in range(4)]
+    tier.check()
+    tier.close()
+
+
+def test_finish_waits_for_a_hash_whose_header_write_was_interrupted():
+    """A KeyboardInterrupt while write_headers waits for a deferred hash: finish() still waits
+    for that hash (it reads a slot the caller frees next), not only for the ones after it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    executor = ThreadPoolExecutor(1)
+    gate, done = threading.Event(), threading.Event()
+
+    def hashing() -> bytes:
+        gate.wait(5.0)
+        done.set()
+        return bytes(128)
+
+    class Interrupted:  # the running hash's future, its wait interrupted by a signal
+        def __init__(self, future) -> None:
+            self.future = future
+
+        def result(self, timeout=None):
+            raise KeyboardInterrupt
+
+        def __getattr__(self, name):
+            return getattr(self.future, name)
+
+    overlap = disk_module._WriteOverlap(executor, [], {}, 4096)
+    overlap._deferred = [(Interrupted(executor.submit(hashing)), np.zeros(8192, dtype=np.uint8))]
+    with pytest.raises(KeyboardInterrupt):
+        overlap.write_headers()
+    threading.Timer(0.1, gate.set).start()
+    overlap.finish()
+    assert done.is_set()
+    executor.shutdown()
