@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -375,8 +376,6 @@ def test_finish_waits_for_a_hash_whose_header_write_was_interrupted():
     for that hash (it reads a slot the caller frees next), not only for the ones after it."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import numpy as np
-
     executor = ThreadPoolExecutor(1)
     gate, done = threading.Event(), threading.Event()
 
@@ -396,10 +395,34 @@ def test_finish_waits_for_a_hash_whose_header_write_was_interrupted():
             return getattr(self.future, name)
 
     overlap = disk_module._WriteOverlap(executor, [], {}, 4096)
-    overlap._deferred = [(Interrupted(executor.submit(hashing)), np.zeros(8192, dtype=np.uint8))]
+    overlap._deferred = [(Interrupted(executor.submit(hashing)), _hash(0), np.zeros(8192, dtype=np.uint8))]
     with pytest.raises(KeyboardInterrupt):
-        overlap.write_headers()
+        overlap.write_headers(None)  # interrupted before it reads the transaction
     threading.Timer(0.1, gate.set).start()
     overlap.finish()
     assert done.is_set()
     executor.shutdown()
+
+
+def test_a_value_found_elsewhere_at_the_commit_aborts_the_batch(tmp_path, overlapped, monkeypatch):
+    """Were LMDB to move a value within its transaction after its deferred header was written,
+    the check before the commit finds it elsewhere and aborts the batch: nothing is committed
+    with a header in the wrong place; what was stored before stays."""
+    pool = filled_pool(6, BIG, seed=13)
+    tier = DiskTier(tmp_path, 1 << 22)
+    assert tier.write_batch([(_hash(100), NS, pool.tensor[5])]) == [True]
+    choreo = _Choreography(monkeypatch, pool.tensor, held=1, until=3)
+    real = disk_module._stored_value
+    elsewhere = np.zeros(pool.tensor[0].numel() * 4 + 128, dtype=np.uint8)
+
+    def moved(txn, key, nbytes):
+        value = real(txn, key, nbytes)
+        return elsewhere if key == _hash(1) and choreo.released.is_set() else value
+
+    monkeypatch.setattr(disk_module, "_stored_value", moved)
+    assert tier.write_batch([(_hash(i), NS, pool.tensor[i]) for i in range(5)]) == [False] * 5
+    assert choreo.deferred == [1]
+    assert _stored(tier, [_hash(i) for i in range(5)]) == [None] * 5
+    assert _hash(100) in tier and len(tier) == 1
+    tier.check()
+    tier.close()
