@@ -107,9 +107,7 @@ def encode_record(namespace: bytes, block: torch.Tensor, seq: int, fingerprint: 
     return record
 
 
-def encode_header(
-    namespace: bytes, block: torch.Tensor, seq: int = 0, fingerprint: bytes = NO_FINGERPRINT, payload=None,
-) -> bytes:
+def encode_header(namespace: bytes, block: torch.Tensor, seq: int = 0, fingerprint: bytes = NO_FINGERPRINT) -> bytes:
     """The 128-byte header (checksum included) of ``block``'s record, hashing the block in
     place: ``encode_header(ns, block, seq, fp) + block bytes == encode_record(ns, block, seq,
     fp)``, so a sender can write the header and then the block's own memory, with no record
@@ -121,21 +119,10 @@ def encode_header(
             :data:`kvtier.types.DTYPE_NAMES`.
         seq: the writer's store sequence (0: none).
         fingerprint: the block's token fingerprint, 32 bytes.
-        payload: a copy of ``block``'s bytes to hash instead of its own memory (a buffer of
-            ``block``'s nbytes: LMDB's copy of a slot the slot's next block may already be
-            overwriting, kvtier.tiers.disk); the caller vouches that it holds the same bytes.
-
-    Raises:
-        ValueError: ``payload`` is not ``block``'s length.
     """
     header = _pack_header(namespace, block, seq, fingerprint)
     digest = xxhash.xxh3_64(header)
-    if payload is not None:
-        if memoryview(payload).nbytes != block.numel() * block.element_size():
-            raise ValueError(f"expected a payload of {block.numel() * block.element_size()} bytes, "
-                             f"got {memoryview(payload).nbytes}")
-        digest.update(payload)
-    elif block.numel():
+    if block.numel():
         digest.update(block.view(torch.uint8).numpy().reshape(-1))
     return header + _CHECKSUM.pack(digest.intdigest())
 

@@ -26,7 +26,7 @@ from kvtier.config import StoreConfig
 from kvtier.store.events import KVEventPublisher
 from kvtier.store.residency import Residency
 from kvtier.store.results import StoreStats
-from kvtier.tiers.disk import DISK_TXN_BYTES, DiskTier
+from kvtier.tiers.disk import DiskTier, txn_blocks
 from kvtier.tiers.pool import BlockPool
 from kvtier.types import BlockHash, Fingerprint, KVSpec, Medium
 
@@ -294,7 +294,7 @@ class Placement:
             victims = self.disk_room(len(block_hashes))
         if not block_hashes:
             return
-        batch = max(1, DISK_TXN_BYTES // self.spec.block_nbytes)
+        batch = txn_blocks(self.spec.block_nbytes)
         for start in range(0, len(block_hashes), batch):
             puts = []
             for h in block_hashes[start : start + batch]:

@@ -92,6 +92,12 @@ with the writer thread's last hash and copy-in, then the commit, one thread wait
 other; 128 MiB was within the runs' spread and would double the map's slack, so 64 MiB stays."""
 
 
+def txn_blocks(block_nbytes: int) -> int:
+    """Blocks of ``block_nbytes`` bytes per write transaction: :data:`DISK_TXN_BYTES`' worth,
+    at least one."""
+    return max(1, DISK_TXN_BYTES // block_nbytes)
+
+
 class DiskTier:
     """LMDB-backed block store.
 
@@ -676,42 +682,28 @@ class _WriteOverlap:
 
     A store into a full CPU slab moves each victim's bytes three times: xxh3 reads it for the
     record's checksum, LMDB copies it into its map and the new block is copied into its slot.
-    On one thread that ran at 0.44-0.51x of a raw write on the 2-core test VM, and the same
-    work without kvtier at 0.55-0.60x (bench/results/2026-12-02-floors/README.md, after-review). The transaction
-    must stay on the thread that began it (LMDB's writer mutex), but py-lmdb releases the GIL
-    in ``mdb_put``, as xxhash and torch's copies do, so the hash of the next victim and the
-    copy-in after the last put run beside the put: each block's hash is submitted one put
-    ahead (from its slot, before that slot's copy-in, which the writer runs after it). The
-    caller never waits for a hash: once LMDB has copied a block, a hash already done is
-    written into the record's header; one the writer has not started is taken back and
-    computed from LMDB's copy on the caller's thread (still in its cache; the slot's copy-in
-    may be running); one still running is written once it is done, before the commit
-    (:meth:`write_headers`). Waiting for that running hash after every put left the caller
-    idle for 17% of a store into a full slab while the writer, queued behind the copy-ins,
-    still hashed (py-spy): deferring it took store() into a full slab of 2 MiB blocks from
-    0.57x to 0.69-0.71x of a raw write (bench/transfers.py, three alternating runs of each
-    tree; bench/results/2026-12-03-deferred-headers/; issue 17).
-    Headers are hashed with the sequence each put would get; one whose sequence changed (an
-    earlier put refused for room) is hashed again.
+    The transaction must stay on the thread that began it (LMDB's writer mutex), but py-lmdb
+    releases the GIL in ``mdb_put``, as xxhash and torch's copies do, so the hash of the next
+    victim and the copy-in after the last put run beside the put: each block's hash is
+    submitted one put ahead (from its slot, before that slot's copy-in, which the writer runs
+    after it). The caller never waits for a hash: once LMDB has copied a block, a hash already
+    done is written into the record's header; one the writer has not started is taken back and
+    computed on the caller's thread (the slot still in its cache from LMDB's copy); one still
+    running is written once done, before the commit (:meth:`write_headers`). Waiting for that
+    running hash after every put left the caller idle 17% of a store into a full slab while
+    the writer, queued behind the copy-ins, still hashed: store() into a full slab of 2 MiB
+    blocks went from 0.57x to 0.69-0.71x of a raw write (issue 17,
+    bench/results/2026-12-03-deferred-headers/). Headers are hashed with the sequence each put
+    would get; one whose sequence changed (an earlier put refused for room) is hashed again.
 
-    A deferred header is written into the value's pages after later puts of the same
-    transaction: only for a value of at least a page (``overflow_nbytes``), which LMDB keeps on
-    overflow pages of its own that later puts of other keys never move (a value in a leaf node
-    moves when the leaf splits; overflow pages are freed only by a delete or an overwrite of
-    their own key: ``mdb_ovpage_free``), with ``writemap``, as every DiskTier opens it (the
-    pages are the map's: LMDB 0.9, which new directories get, still keeps a dirty list and may
-    spill it, but a spilled page stays where it is, ``mdb_page_unspill`` handing back the same
-    page; 1.0 keeps none), and in a batch that puts each key once
-    (:meth:`DiskTier.write_batch` refuses a repeated one: a second value under a key may be
-    written into the first's pages). The hostile review of this change checked it by reading
-    LMDB 0.9.32 and 1.0's sources and by 258k-361k checks per seed of interleaved small and
-    large puts and deletes with a reader pinning old snapshots, on both engines: no value of a
-    page or more moved within its transaction. :meth:`write_headers` checks it again for every
-    header written late (one ``txn.get`` each, while the caller waits for the writer's last
-    work) and aborts the transaction if a value moved. Looking every value up again before
-    writing its header instead cost 4-13% of a store into a full slab (three alternating pairs:
-    4.01 / 4.01 / 3.70 against 4.18 / 4.19 / 4.30 GB/s): a ``txn.get`` between two puts waits
-    for the GIL behind the writer's Python.
+    A deferred header is written where the value lay after its own put: only for a value of at
+    least ``min_deferred_nbytes`` (the page size; far above LMDB's overflow threshold of about
+    half a page), which LMDB keeps on overflow pages of its own that later puts of other keys
+    never move (a value in a leaf node moves when the leaf splits), and in a batch that puts
+    each key once (:meth:`DiskTier.write_batch` refuses a repeated one). Before the commit each
+    one is checked to lie there still (one ``txn.get``, while the caller waits for the writer's
+    last work anyway); a value found elsewhere aborts the transaction. Smaller values wait for
+    their hash (only where tests lower :data:`OVERLAP_MIN_NBYTES`).
 
     ``after_put`` calls run on the writer thread, one at a time and in order, under the
     caller's grad and inference modes; :meth:`finish` waits for every one before the batch
@@ -719,15 +711,15 @@ class _WriteOverlap:
     one raised.
     """
 
-    def __init__(self, writer: ThreadPoolExecutor, puts: Sequence, seqs: dict[int, int], overflow_nbytes: int) -> None:
+    def __init__(self, writer: ThreadPoolExecutor, puts: Sequence, seqs: dict[int, int],
+                 min_deferred_nbytes: int) -> None:
         self._writer, self._puts, self._seqs = writer, puts, seqs
-        self._overflow_nbytes = overflow_nbytes
+        self._min_deferred_nbytes = min_deferred_nbytes
         self._order = list(seqs)  # put indices, in order
         self._position = {i: p for p, i in enumerate(self._order)}
         self._submitted = 0  # hashes submitted: self._order[:self._submitted]
         self._hashes: dict[int, Future] = {}
         self._deferred: list[tuple[Future, BlockHash, np.ndarray]] = []  # (a running hash, key, stored value)
-        self._written_late: list[tuple[BlockHash, np.ndarray]] = []  # deferred headers written: checked at the end
         self._copies: list[Future] = []
         self._grad, self._inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
@@ -744,62 +736,45 @@ class _WriteOverlap:
             future = None
 
         def header(value: np.ndarray) -> bytes | None:
-            if future is not None and (future.done() or not future.cancel()):
-                if future.done() or len(value) < self._overflow_nbytes:
-                    return future.result()
-                self._deferred.append((future, h, value))  # running: written once done
-                return None
-            return encode_header(namespace, block, seq, fingerprint, payload=value[HEADER_NBYTES:])
+            if future is None or (not future.done() and future.cancel()):
+                return encode_header(namespace, block, seq, fingerprint)  # not hashed ahead, or taken back
+            if future.done() or len(value) < self._min_deferred_nbytes:
+                return future.result()
+            self._deferred.append((future, h, value))  # running: written before the commit
+            return None
 
         put_record(txn, h, namespace, block, seq, fingerprint, header)
-        if self._deferred:
-            self._write_done()
 
     def write_headers(self, txn) -> None:
         """Write every deferred header (waiting for its hash), then check that each value
-        written late still lies where it was written (``txn.get``: the caller waits for the
-        writer's last work here anyway); before the commit.
+        still lies where it was written (``txn.get``); before the commit.
 
         Raises:
             lmdb.Error: a value moved within the transaction (LMDB kept overflow values in
                 place in every version checked; were one to move, the transaction is aborted,
                 never committed with a header in the wrong place).
-            BaseException: what a hash raised.
+            BaseException: what a hash raised (the entries from it on stay for :meth:`finish`).
         """
-        deferred, self._deferred = self._deferred, []
-        for k, (future, key, value) in enumerate(deferred):
-            try:
-                write_header(value, future.result())
-            except BaseException:
-                self._deferred = deferred[k:]  # finish() waits for them (an interrupt: this one may still run)
-                raise
-            self._written_late.append((key, value))
-        for key, value in self._written_late:
+        written: list[tuple[BlockHash, np.ndarray]] = []
+        while self._deferred:
+            future, key, value = self._deferred[0]
+            write_header(value, future.result())
+            written.append((key, value))
+            del self._deferred[0]
+        for key, value in written:
             if _stored_value(txn, key, len(value)).ctypes.data != value.ctypes.data:
                 raise lmdb.Error(f"record {key.hex()[:16]} moved within its write transaction")
-        self._written_late.clear()
-
-    def _write_done(self) -> None:
-        """Write the deferred headers whose hash is done, in order, without waiting."""
-        k = 0
-        for future, key, value in self._deferred:
-            if not future.done():
-                break
-            write_header(value, future.result())
-            self._written_late.append((key, value))
-            k += 1
-        del self._deferred[:k]
 
     def after_put(self, fn: Callable[[int], None], i: int) -> None:
-        """Run ``fn(i)`` on the writer thread after the work submitted before it (on this
-        thread, after the earlier calls, once the interpreter is shutting down)."""
+        """Run ``fn(i)`` on the writer thread after the work submitted before it. Once the
+        interpreter is shutting down (the writer takes no more work), on this thread, after
+        everything submitted before it is done: the hashes too, as a hash of this slot may
+        still be running (its header deferred) and the copy-in overwrites the slot."""
         future = self._submit(self._in_caller_modes, fn, i)
         if future is None:
-            # here, once everything submitted before it is done: a hash of this slot may still
-            # be running (its header deferred), and the copy-in overwrites the slot
-            for earlier in [*self._copies, *self._hashes.values(), *(f for f, *_ in self._deferred)]:
+            for earlier in self._pending():
                 if not earlier.cancelled():
-                    earlier.exception()  # in order: the earlier calls first
+                    earlier.exception()
             future = Future()
             try:
                 fn(i)
@@ -810,17 +785,17 @@ class _WriteOverlap:
         self._copies.append(future)
 
     def finish(self) -> None:
-        """Wait for the writer thread's part of the batch (hashes not started are dropped;
-        headers not written by :meth:`write_headers` are not: the transaction is failing)."""
+        """Wait for the writer thread's part of the batch: hashes not started are cancelled;
+        running ones, deferred included, are waited for (their results unused: the
+        transaction is failing when any is left); then every copy, re-raising the first
+        exception one raised."""
         for future in self._hashes.values():
             future.cancel()
-        pending = [*self._hashes.values(), *(future for future, *_ in self._deferred)]
-        for future in pending:
+        for future in [*self._hashes.values(), *(future for future, *_ in self._deferred)]:
             if not future.cancelled():
-                future.exception()  # its result is not used; waited so that nothing of the batch runs after it
+                future.exception()  # waited so that nothing of the batch runs after it
         self._hashes.clear()
         self._deferred.clear()
-        self._written_late.clear()
         first: BaseException | None = None
         for future in self._copies:
             exc = future.exception()
@@ -828,6 +803,11 @@ class _WriteOverlap:
         self._copies.clear()
         if first is not None:
             raise first
+
+    def _pending(self) -> list[Future]:
+        """Every future of the batch submitted so far, in order of kind: copies, hashes ahead,
+        deferred hashes."""
+        return [*self._copies, *self._hashes.values(), *(future for future, *_ in self._deferred)]
 
     def _hash_ahead(self, last: int) -> None:
         while self._submitted <= min(last, len(self._order) - 1):

@@ -30,7 +30,7 @@ import torch
 
 from kvtier.records import BlockPlaces, ReadStatus
 from kvtier.tiers.backend import RemoteBackend
-from kvtier.tiers.disk import DISK_TXN_BYTES, DiskTier
+from kvtier.tiers.disk import DiskTier, txn_blocks
 from kvtier.tiers.pool import BlockPool
 from kvtier.transfer.engine import Completed, JobResult, Pending, TransferEngine, TransferHandler, TransferJob, failed
 from kvtier.types import Medium
@@ -247,7 +247,7 @@ class DiskHandler(_IOHandler):
         puts = [(h, self.namespace, pool.tensor[s], pool.fingerprint_at(s)) for h, s in zip(job.block_hashes, job.src_ids)]
         # room was made when the job was submitted (under the store's lock, victims unpinned);
         # one transaction per DISK_TXN_BYTES, the most the map's slack allows for (kvtier.tiers.disk)
-        step = max(1, DISK_TXN_BYTES // pool.spec.block_nbytes)
+        step = txn_blocks(pool.spec.block_nbytes)
         ok = [done for start in range(0, len(puts), step) for done in self.disk.write_batch(puts[start : start + step])]
         reasons = {i: "full" for i, good in enumerate(ok) if not good}
         return JobResult(job.job_id, ok, reasons, sum(ok) * self.pool.spec.block_nbytes)

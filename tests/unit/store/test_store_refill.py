@@ -236,9 +236,7 @@ def test_a_write_through_job_is_written_in_transactions_of_disk_txn_bytes(make_s
     """A DISK write job of more than DISK_TXN_BYTES (a write-through store's chunk can be half
     the host pool) goes in transactions of at most that much, the most the map's slack is
     sized for (kvtier.tiers.disk.DISK_TXN_BYTES); every block lands and reads back."""
-    from kvtier.transfer import handlers
-
-    monkeypatch.setattr(handlers, "DISK_TXN_BYTES", 3 * SPEC.block_nbytes)
+    monkeypatch.setattr(disk_module, "DISK_TXN_BYTES", 3 * SPEC.block_nbytes)
     batches: list[int] = []
     real = DiskTier.write_batch
 

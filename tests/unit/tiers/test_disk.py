@@ -248,9 +248,9 @@ def test_a_small_tier_spills_in_steady_state_without_filling_its_map(tmp_path):
     (as every spill into a full tier does): LMDB cannot reuse pages freed by the current or
     the previous transaction, so the map needs two transactions' worth of slack beyond the
     cap; without it every spill from the third on failed with MDB_MAP_FULL, for good (the
-    hostile review of issue 17's deferred headers). Every batch lands, every record reads back."""
-    from kvtier.store.placement import DISK_TXN_BYTES
-    from kvtier.tiers.disk import record_footprint
+    hostile review of issue 17's deferred headers). Every batch lands; the last batch's records
+    read back exact."""
+    from kvtier.tiers.disk import DISK_TXN_BYTES
 
     block_nbytes = 2 << 20
     n = DISK_TXN_BYTES // block_nbytes

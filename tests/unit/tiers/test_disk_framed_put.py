@@ -159,18 +159,3 @@ def test_framed_put_over_another_versions_record_and_after_a_delete_in_the_same_
     tier.check()
     tier.close()
 
-
-def test_encode_header_of_a_copy_is_the_blocks_header_and_checks_its_length():
-    """The header hashed from a copy of the block's bytes (LMDB's, kvtier.tiers.disk) is the
-    one hashed from the block; a copy of another length is refused."""
-    from kvtier.records import encode_header
-
-    block = random_blocks(SPEC, 1, seed=11)[0]
-    fp = hashlib.sha256(b"fp").digest()
-    copy = bytearray(block.view(torch.uint8).numpy().tobytes())
-    assert encode_header(NS, block, 7, fp, payload=copy) == encode_header(NS, block, 7, fp)
-    assert encode_header(NS, block, 7, fp, payload=copy) + bytes(copy) == encode_record(NS, block, 7, fp).tobytes()
-    copy[0] ^= 1
-    assert encode_header(NS, block, 7, fp, payload=copy) != encode_header(NS, block, 7, fp)
-    with pytest.raises(ValueError, match="payload"):
-        encode_header(NS, block, 7, fp, payload=copy[:-1])

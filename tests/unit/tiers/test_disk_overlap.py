@@ -268,9 +268,9 @@ class _Choreography:
 def test_a_running_hash_is_written_after_later_puts_and_queued_ones_are_taken_back(tmp_path, overlapped,
                                                                                    monkeypatch):
     """Block 1's hash is still running when its put ends (deferred past the puts of blocks
-    2-4); blocks 2-4's hashes, queued behind it, are computed by the caller from LMDB's copy
-    while each slot's copy-in overwrites the slot: every record is encode_record's bytes of
-    the block as it was, and reads back OK."""
+    2-4); blocks 2-4's hashes, queued behind it, are taken back and computed by the caller;
+    every slot is overwritten by its copy-in after its put: every record is encode_record's
+    bytes of the block as it was, and reads back OK."""
     pool = filled_pool(8, BIG, seed=5)
     choreo = _Choreography(monkeypatch, pool.tensor, held=1, until=4)
     before = pool.tensor.clone()
@@ -313,12 +313,30 @@ def test_values_under_a_page_are_never_deferred(tmp_path, overlapped, monkeypatc
     pool = _pool(8, seed=7)
     assert pool.tensor[0].numel() * pool.tensor.element_size() + 128 < 4096
     choreo = _Choreography(monkeypatch, pool.tensor, held=1, until=1)
+    asked = threading.Event()
+    real_framed = disk_module.put_framed
+
+    def put_framed(txn, key, framed, header):
+        def asking(value):
+            if key == _hash(1):
+                asked.set()  # the caller asks for block 1's header: its hash is held, running
+            return header(value)
+
+        real_framed(txn, key, framed, asking)
+
+    def release_once_asked():
+        assert asked.wait(5.0)
+        threading.Event().wait(0.05)  # the caller is inside the header wait by now
+        choreo.released.set()
+
+    monkeypatch.setattr(disk_module, "put_framed", put_framed)
+    threading.Thread(target=release_once_asked, daemon=True).start()
     tier = DiskTier(tmp_path, 1 << 20)
-    threading.Timer(0.05, choreo.released.set).start()  # put(1) waits for the held hash: release it
     assert tier.write_batch([(_hash(i), NS, pool.tensor[i]) for i in range(8)]) == [True] * 8
-    assert choreo.started.is_set() and choreo.deferred == []
+    assert asked.is_set() and choreo.deferred == []
     assert _stored(tier, [_hash(i) for i in range(8)]) == [
         encode_record(NS, pool.tensor[i], i + 1).tobytes() for i in range(8)]
+    tier.check()
     tier.close()
 
 
@@ -357,9 +375,22 @@ def test_a_copy_in_run_here_at_shutdown_waits_for_the_running_hash_of_its_slot(t
         real_put(txn, key, namespace, block, *args, **kwargs)
         if block.data_ptr() == pool.tensor[0].data_ptr():
             monkeypatch.setattr(cf_thread, "_shutdown", True)
-            threading.Timer(0.1, choreo.released.set).start()  # the held hash goes on a bit later
+
+    entered = threading.Event()
+    real_after_put = disk_module._WriteOverlap.after_put
+
+    def after_put(self, fn, i):
+        entered.set()
+        real_after_put(self, fn, i)
+
+    def release_once_entered():  # a copy-in that does not wait overwrites slot 0 meanwhile
+        assert entered.wait(5.0)
+        threading.Event().wait(0.05)
+        choreo.released.set()
 
     monkeypatch.setattr(disk_module, "put_record", put_then_shut_down)
+    monkeypatch.setattr(disk_module._WriteOverlap, "after_put", after_put)
+    threading.Thread(target=release_once_entered, daemon=True).start()
     tier = DiskTier(tmp_path, 1 << 22)
     puts = [(_hash(i), NS, pool.tensor[i]) for i in range(4)]
     assert tier.write_batch(puts, after_put=lambda i: pool.tensor[i].fill_(float(i + 1000))) == [True] * 4
@@ -398,9 +429,13 @@ def test_finish_waits_for_a_hash_whose_header_write_was_interrupted():
     overlap._deferred = [(Interrupted(executor.submit(hashing)), _hash(0), np.zeros(8192, dtype=np.uint8))]
     with pytest.raises(KeyboardInterrupt):
         overlap.write_headers(None)  # interrupted before it reads the transaction
-    threading.Timer(0.1, gate.set).start()
-    overlap.finish()
-    assert done.is_set()
+    finishing = threading.Thread(target=overlap.finish)
+    finishing.start()
+    finishing.join(0.05)
+    assert finishing.is_alive()  # waiting for the interrupted hash
+    gate.set()
+    finishing.join(5.0)
+    assert not finishing.is_alive() and done.is_set()
     executor.shutdown()
 
 
@@ -421,7 +456,7 @@ def test_a_value_found_elsewhere_at_the_commit_aborts_the_batch(tmp_path, overla
 
     monkeypatch.setattr(disk_module, "_stored_value", moved)
     assert tier.write_batch([(_hash(i), NS, pool.tensor[i]) for i in range(5)]) == [False] * 5
-    assert choreo.deferred == [1]
+    assert 1 in choreo.deferred
     assert _stored(tier, [_hash(i) for i in range(5)]) == [None] * 5
     assert _hash(100) in tier and len(tier) == 1
     tier.check()
