@@ -214,8 +214,9 @@ of at least :data:`RECEIVE_MIN_BLOCK_NBYTES`, is received straight into its dest
 bench/results/2026-12-03-keepalive, 2 vCPUs, uvloop, with the connection kept after the
 reply): every shape of 256 KiB-4 MiB blocks in bodies of 1-32 MiB at 1.04-1.36x aiohttp's GB/s
 and 0.62-0.94x its daemon CPU per GB; 64 KiB blocks lose (0.87-0.90x: a turn of the event loop
-per frame), 128 KiB blocks break even (1.02x), a body of one 256 KiB block loses (0.93x). Before keep-alive, a reconnect per put made it lose below 16 MiB bodies of 1 MiB
-blocks (bench/results/2026-12-03-receive)."""
+per frame), 128 KiB blocks break even (1.02x), a body of one 256 KiB block loses (0.93x).
+Before keep-alive, a reconnect per put made it lose below 16 MiB bodies of 1 MiB blocks
+(bench/results/2026-12-03-receive)."""
 
 _DISCARD_NBYTES = 64 << 10  # one read's buffer for what comes after the body
 _PREFIX_NBYTES = frame_nbytes(bytes(32), 0)  # a put frame up to its payload: 161 bytes

@@ -786,12 +786,12 @@ class _WriteOverlap:
 
     def finish(self) -> None:
         """Wait for the writer thread's part of the batch: hashes not started are cancelled;
-        running ones, deferred included, are waited for (their results unused: the
-        transaction is failing when any is left); then every copy, re-raising the first
+        running ones are waited for, their results unused (hashed ahead for a put refused for
+        room, or left deferred by a failing transaction); then every copy, re-raising the first
         exception one raised."""
         for future in self._hashes.values():
             future.cancel()
-        for future in [*self._hashes.values(), *(future for future, *_ in self._deferred)]:
+        for future in self._hash_futures():
             if not future.cancelled():
                 future.exception()  # waited so that nothing of the batch runs after it
         self._hashes.clear()
@@ -804,10 +804,13 @@ class _WriteOverlap:
         if first is not None:
             raise first
 
+    def _hash_futures(self) -> list[Future]:
+        """The hashes not yet written: hashed ahead, then deferred."""
+        return [*self._hashes.values(), *(future for future, *_ in self._deferred)]
+
     def _pending(self) -> list[Future]:
-        """Every future of the batch submitted so far, in order of kind: copies, hashes ahead,
-        deferred hashes."""
-        return [*self._copies, *self._hashes.values(), *(future for future, *_ in self._deferred)]
+        """Every future of the batch submitted so far: copies, then hashes."""
+        return [*self._copies, *self._hash_futures()]
 
     def _hash_ahead(self, last: int) -> None:
         while self._submitted <= min(last, len(self._order) - 1):

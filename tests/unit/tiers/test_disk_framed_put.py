@@ -158,4 +158,3 @@ def test_framed_put_over_another_versions_record_and_after_a_delete_in_the_same_
         assert tier.read_into(key, NS, out) is ReadStatus.OK and torch.equal(out, pool.tensor[slot])
     tier.check()
     tier.close()
-
