@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 import time
 
 import msgpack
@@ -19,6 +20,7 @@ from aiohttp import web_protocol
 
 from kvtier.server import streams
 from kvtier.server.app import REGISTRY
+from kvtier.server.connections import BodyClock
 from kvtier.server.streams import _PREFIX_NBYTES, CLOSE_AFTER, BodyReceiver
 from kvtier.tiers.remote import RemoteTier
 from kvtier.types import KVSpec
@@ -119,7 +121,7 @@ def test_real_sized_puts_take_the_receiver_on_one_connection(thread_daemon, even
         pytest.importorskip("uvloop")
     taken = []
     take = BodyReceiver.take.__func__
-    monkeypatch.setattr(BodyReceiver, "take", classmethod(lambda cls, r, b: taken.append(take(cls, r, b)) or taken[-1]))
+    monkeypatch.setattr(BodyReceiver, "take", classmethod(lambda cls, *a: taken.append(take(cls, *a)) or taken[-1]))
     if not keep_alive:
         monkeypatch.setattr(streams, "fresh_parser", lambda protocol: None)
     accepted = []  # the daemon's connections (it runs in this process)
@@ -246,6 +248,42 @@ def test_a_client_that_stops_sending_is_cut_after_grace_not_after_its_block(thre
     client.close()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_RCVLOWAT's wake-up rule is Linux's (socket(7))")
+def test_a_fill_sleeps_until_its_share_is_queued_and_the_body_end_never_waits(thread_daemon, monkeypatch):
+    """On a real socket (uvloop): 100 KB of a 1 MiB payload stay in the kernel while the fill
+    waits for more (``SO_RCVLOWAT``); the last payload's final 300 KB, sent alone after a
+    pause, are read as they come, with 60 s of grace: a wake-up waiting for more bytes than
+    the fill lacks would show as a put that never ends."""
+    pytest.importorskip("uvloop")
+    taken = []
+    take = BodyReceiver.take.__func__
+    monkeypatch.setattr(BodyReceiver, "take", classmethod(lambda cls, *a: taken.append(take(cls, *a)) or taken[-1]))
+    daemon = thread_daemon(disk_blocks=0, cpu_blocks=2 * PUT_BLOCKS, spec=BIG, event_loop="uvloop",
+                           max_block_bytes=BIG.block_nbytes, grace_s=60.0)
+    RemoteTier(daemon.url, timeout_s=10.0).register(NAMESPACE, BIG)
+    hs, blocks = hashes(PUT_BLOCKS, salt=9), random_blocks(BIG, PUT_BLOCKS, seed=9)
+    body = frames(NAMESPACE, hs, blocks)
+    assert streams.RECEIVE_LOWAT_NBYTES > 100_000
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as sock:
+        sock.sendall(put_head(len(body)) + body[:_PREFIX_NBYTES])
+        time.sleep(0.3)  # the handler took the body: a fill of the first payload waits
+        sock.sendall(body[_PREFIX_NBYTES : _PREFIX_NBYTES + 100_000])
+        time.sleep(0.3)
+        assert len(taken) == 1 and taken[0] is not None
+        assert daemon.call(taken[0].landed) == 0  # all 100 KB still in the socket
+        start = time.monotonic()
+        tail = len(body) - 300_000  # the last payload's end comes alone, under the cap
+        sock.sendall(body[_PREFIX_NBYTES + 100_000 : tail])
+        time.sleep(0.3)
+        sock.sendall(body[tail:] + HEALTHZ)
+        reply = b""
+        while chunk := sock.recv(1 << 16):
+            reply += chunk
+        took = time.monotonic() - start
+    assert _stored(reply) == [True] * PUT_BLOCKS
+    assert took < 5.0, took  # 0.3 s of it the client's pause
+
+
 @pytest.mark.slow  # waits out shutdown_timeout_s (2 s)
 @pytest.mark.parametrize("event_loop", LOOPS)
 def test_shutdown_does_not_wait_twice_for_a_stalled_receiver(thread_daemon, event_loop, receive_all):
@@ -272,11 +310,25 @@ async def test_bad_put_bodies_from_the_socket_are_4xx_with_a_message(make_api, c
 
 
 # -- the receiver on a fake transport -------------------------------------------------------------
+class _Socket:
+    """What the receiver asks of the transport's socket: ``SO_RCVLOWAT`` (each value set)."""
+
+    family = socket.AF_UNIX  # kvtier.server.connections.reset: no linger to set
+
+    def __init__(self) -> None:
+        self.lowats: list[int] = []
+
+    def setsockopt(self, level: int, option: int, value: int) -> None:
+        assert (level, option) == (socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+        self.lowats.append(value)
+
+
 class _Transport(asyncio.Transport):
     def __init__(self, protocol) -> None:
         super().__init__()
         self.protocol, self.reading, self.aborted = protocol, True, False
         self.calls: list[str] = []
+        self.sock = _Socket()
 
     def set_protocol(self, protocol) -> None:
         self.protocol = protocol
@@ -296,7 +348,7 @@ class _Transport(asyncio.Transport):
         return self.aborted
 
     def get_extra_info(self, name, default=None):
-        return default
+        return self.sock if name == "socket" else default
 
     def abort(self) -> None:
         self.aborted = True
@@ -374,9 +426,9 @@ class _Request(dict):
         self.headers: dict[str, str] = {}
 
 
-def _receiver(body: bytes, buffered: int = 0) -> tuple[BodyReceiver, _Request]:
+def _receiver(body: bytes, buffered: int = 0, clock: BodyClock | None = None) -> tuple[BodyReceiver, _Request]:
     request = _Request(body, buffered)
-    receiver = BodyReceiver.take(request, 1 << 20)
+    receiver = BodyReceiver.take(request, 1 << 20, clock)
     assert receiver is not None
     return receiver, request
 
@@ -430,6 +482,65 @@ async def test_bytes_that_come_with_no_fill_waiting_are_kept_for_the_next_one(re
     request.transport.deliver(body[100 + _PREFIX_NBYTES : 850])
     await fill
     assert bytes(out) == body[150:850] and digest.intdigest() == xxhash.xxh3_64_intdigest(body[150:850])
+
+
+async def test_the_socket_wakes_for_a_cap_of_bytes_and_never_waits_past_the_body(receive_all):
+    """``SO_RCVLOWAT`` once a fill waits on the socket: the cap, kept across fills and frames
+    (one system call per body, not per frame), lowered as the body's last bytes come (a socket
+    waiting for more bytes than the body has left would hang the put), 1 once the body is done
+    with, or its fill cancelled (aiohttp reads the connection's next request)."""
+    cap = streams.RECEIVE_LOWAT_NBYTES
+    body = bytes(range(256)) * ((3 * cap) // 256)
+    receiver, request = _receiver(body)
+    lowats = request.transport.sock.lowats
+    out = bytearray(cap + cap // 2)
+    fill = receiver.fill(memoryview(out))
+    assert lowats == [cap]
+    request.transport.deliver(body[: cap // 4])
+    request.transport.deliver(body[cap // 4 : len(out)])
+    await fill
+    assert bytes(out) == body[: len(out)] and lowats == [cap]
+    assert request.transport.deliver(body[len(out) : len(out) + 100]) == 100  # into the stash
+    small = bytearray(1000)  # 100 bytes from the stash, 900 from the socket: no new call
+    fill = receiver.fill(memoryview(small))
+    request.transport.deliver(body[len(out) + 100 : len(out) + 1000])
+    await fill
+    assert bytes(small) == body[len(out) : len(out) + 1000] and lowats == [cap]
+    offset = len(out) + 1000
+    rest = bytearray(len(body) - offset)
+    fill = receiver.fill(memoryview(rest))
+    left = len(body) - offset  # 1.5 caps less 1000 bytes
+    for n in (cap // 2, 1000, cap // 4, left):  # then under a cap is left, down to none
+        offset += request.transport.deliver(body[offset : offset + n])
+        assert receiver.remaining == len(body) - offset
+    assert receiver.remaining == 0
+    assert lowats == [cap, left - cap // 2, left - cap // 2 - 1000, left - cap // 2 - 1000 - cap // 4, 1]
+    await fill
+    assert bytes(rest) == body[len(body) - left :]
+    receiver.close(consumed=True)
+    assert lowats[-1] == 1
+    assert all(a != b for a, b in zip(lowats, lowats[1:]))  # a system call only for a change
+
+    receiver, request = _receiver(body)
+    fill = receiver.fill(memoryview(bytearray(2000)))
+    request.transport.deliver(body[:500])
+    fill.cancel()
+    await asyncio.sleep(0)
+    assert request.transport.sock.lowats == [cap, 1]
+    receiver.close(consumed=False)  # an error answered before the body's end
+    assert request.transport.sock.lowats == [cap, 1] and request.transport.aborted
+
+
+async def test_the_lowat_cap_keeps_within_a_quarter_of_the_body_clocks_grace(receive_all):
+    """Bytes held in the socket count as late for the body clock: at most ``rate x grace / 4``
+    of them (a client at the minimum rate keeps three quarters of its grace)."""
+    receiver, request = _receiver(bytes(4 << 20), clock=BodyClock(grace_s=0.5, min_rate_bytes_per_s=256 << 10))
+    fill = receiver.fill(memoryview(bytearray(3 << 20)))
+    assert request.transport.sock.lowats == [32 << 10]
+    fill.cancel()
+    receiver, request = _receiver(bytes(4 << 20), clock=BodyClock(grace_s=0.001, min_rate_bytes_per_s=1))
+    receiver.fill(memoryview(bytearray(3 << 20)))
+    assert request.transport.sock.lowats == []  # a cap of one byte: the default, never set
 
 
 async def test_a_cancelled_fill_gets_no_byte_after_it(receive_all):
