@@ -233,6 +233,16 @@ vCPUs, loopback, 16 x 2 MiB puts, paired rounds): batch put 2.74-2.79 GB/s again
 without, the client's CPU 325-332 ms/GB against 368-375, the daemon's reads per GB ~1,500
 against ~4,000; 256 KiB gave 2.68-2.74 GB/s, 1 MiB 2.51-2.62; set per fill instead of per
 body (three calls a frame), 2.76 against 2.78."""
+RECEIVE_READ_NBYTES = 256 << 10
+"""Most bytes one read lands in a fill (the buffer ``get_buffer`` hands the kernel). Each
+read's bytes are hashed right after the kernel copied them, while they are still in the
+core's cache: xxh3 over just-received bytes ran at 39 GB/s in reads of 256 KiB, 30 at 512
+KiB, 18 at 2 MiB (issue 17, bench/results/2026-12-04-rcvlowat/rx_hash.py). The event loop
+reads again at once while a read fills its buffer (libuv; asyncio's loop on its next turn),
+so a wake-up for :data:`RECEIVE_LOWAT_NBYTES` takes several reads. Measured there (40 paired
+rounds of 16 x 2 MiB puts): reads of at most 256 KiB put 2.91-2.94 GB/s at 289-290 ms of
+daemon CPU per GB, against 2.80 / 313 with reads as large as the fill (up to a block); 128
+KiB 2.49, 512 KiB 2.80."""
 _DISCARD_NBYTES = 64 << 10  # one read's buffer for what comes after the body
 _PREFIX_NBYTES = frame_nbytes(bytes(32), 0)  # a put frame up to its payload: 161 bytes
 
@@ -419,7 +429,7 @@ class BodyReceiver(asyncio.BufferedProtocol):
             return self._discard
         if self._target is not None and not self._waiter.done():  # (a cancelled fill: not)
             self._spare = None
-            return self._target[self._filled : self._filled + self.remaining]
+            return self._target[self._filled : self._filled + min(self.remaining, RECEIVE_READ_NBYTES)]
         # no fill waiting: a frame prefix ahead, kept for the next fill
         self._spare = memoryview(bytearray(max(1, min(_PREFIX_NBYTES - len(self._stash), self.remaining))))
         return self._spare
