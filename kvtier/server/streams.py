@@ -243,6 +243,7 @@ so a wake-up for :data:`RECEIVE_LOWAT_NBYTES` takes several reads. Measured ther
 rounds of 16 x 2 MiB puts): reads of at most 256 KiB put 2.91-2.94 GB/s at 289-290 ms of
 daemon CPU per GB, against 2.80 / 313 with reads as large as the fill (up to a block); 128
 KiB 2.49, 512 KiB 2.80."""
+_TCP_FAMILIES = (socket.AF_INET, socket.AF_INET6)
 _DISCARD_NBYTES = 64 << 10  # one read's buffer for what comes after the body
 _PREFIX_NBYTES = frame_nbytes(bytes(32), 0)  # a put frame up to its payload: 161 bytes
 
@@ -296,7 +297,9 @@ class BodyReceiver(asyncio.BufferedProtocol):
         self._reading = True
         self._discard: memoryview | None = None  # after the body: what comes is dropped
         self._handed_back = False  # the transport is aiohttp's again (keep-alive)
-        self._sock = transport.get_extra_info("socket") if hasattr(socket, "SO_RCVLOWAT") else None
+        sock = transport.get_extra_info("socket")
+        # TCP only: Linux honours SO_RCVLOWAT in poll for TCP, not for Unix stream sockets
+        self._sock = sock if hasattr(socket, "SO_RCVLOWAT") and getattr(sock, "family", None) in _TCP_FAMILIES else None
         self._max_lowat = RECEIVE_LOWAT_NBYTES if clock is None else \
             max(1, min(RECEIVE_LOWAT_NBYTES, int(clock.rate * clock.grace_s / 4)))
         self._lowat = 1  # the socket's SO_RCVLOWAT now (1: the kernel's default)

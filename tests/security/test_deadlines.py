@@ -37,15 +37,18 @@ BIG = KVSpec(num_layers=4, num_kv_heads=8, head_dim=128, block_size=16, dtype=to
 
 class _Trickling:
     """A put that sends its headers and the first 200 bytes of its frames, then (``trickle``)
-    the rest of its real body one byte at a time: every byte valid, so only a deadline ends it."""
+    the rest of its real body one byte at a time: every byte valid, so only a deadline ends it.
+    The headers and the 200 bytes go in one send, so that the daemon has the first frame's
+    prefix when its handler starts (a body received from the socket lets up to
+    ``RECEIVE_LOWAT_NBYTES`` of it queue in the kernel before reading: 200 bytes sent on their
+    own would wait there, the put holding no slot and no staging until it is cut)."""
 
     def __init__(self, port: int, token: str, namespace: bytes = NS, spec=SPEC) -> None:
         body = frames(namespace, hashes(4, salt=9), random_blocks(spec, 4, seed=9))
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.sendall(request_bytes("POST", ns_url(namespace, "put"), b"", {
             **bearer(token), "Content-Type": FRAMES}).replace(b"Content-Length: 0",
-                                                             f"Content-Length: {len(body)}".encode()))
-        self.sock.sendall(body[:200])
+                                                             f"Content-Length: {len(body)}".encode()) + body[:200])
         self.rest = body[200:]
 
     def trickle(self, seconds: float) -> float | None:

@@ -313,12 +313,13 @@ async def test_bad_put_bodies_from_the_socket_are_4xx_with_a_message(make_api, c
 class _Socket:
     """What the receiver asks of the transport's socket: ``SO_RCVLOWAT`` (each value set)."""
 
-    family = socket.AF_UNIX  # kvtier.server.connections.reset: no linger to set
-
-    def __init__(self) -> None:
+    def __init__(self, family: int = socket.AF_INET) -> None:
+        self.family = family
         self.lowats: list[int] = []
 
-    def setsockopt(self, level: int, option: int, value: int) -> None:
+    def setsockopt(self, level: int, option: int, value) -> None:
+        if (level, option) == (socket.SOL_SOCKET, socket.SO_LINGER):
+            return  # kvtier.server.connections.reset
         assert (level, option) == (socket.SOL_SOCKET, socket.SO_RCVLOWAT)
         self.lowats.append(value)
 
@@ -426,8 +427,11 @@ class _Request(dict):
         self.headers: dict[str, str] = {}
 
 
-def _receiver(body: bytes, buffered: int = 0, clock: BodyClock | None = None) -> tuple[BodyReceiver, _Request]:
+def _receiver(body: bytes, buffered: int = 0, clock: BodyClock | None = None,
+              sock: _Socket | None = None) -> tuple[BodyReceiver, _Request]:
     request = _Request(body, buffered)
+    if sock is not None:
+        request.transport.sock = sock
     receiver = BodyReceiver.take(request, 1 << 20, clock)
     assert receiver is not None
     return receiver, request
@@ -537,6 +541,17 @@ async def test_the_socket_wakes_for_a_cap_of_bytes_and_never_waits_past_the_body
     assert request.transport.sock.lowats == [cap, 1]
     receiver.close(consumed=False)  # an error answered before the body's end
     assert request.transport.sock.lowats == [cap, 1] and request.transport.aborted
+
+
+async def test_a_unix_socket_is_left_alone(receive_all):
+    """Linux's poll ignores ``SO_RCVLOWAT`` on Unix stream sockets (readable at one byte; the
+    hostile review's probe): no system calls spent there."""
+    receiver, request = _receiver(bytes(4 << 20), sock=_Socket(socket.AF_UNIX))
+    fill = receiver.fill(memoryview(bytearray(3 << 20)))
+    request.transport.deliver(bytes(1000))
+    fill.cancel()
+    receiver.close(consumed=False)
+    assert request.transport.sock.lowats == []
 
 
 async def test_the_lowat_cap_keeps_within_a_quarter_of_the_body_clocks_grace(receive_all):
