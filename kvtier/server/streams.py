@@ -228,11 +228,12 @@ the client too: its kernel wakes the daemon as it sends. Set once per body when 
 waits on the socket, lowered as the body's last bytes come (never waiting for bytes past
 its end), 1 again once the body is done with or a fill cancelled (aiohttp reads the next
 request); at most a quarter of what the body clock's grace allows at its minimum rate (bytes
-held in the socket count as late). Measured (issue 17, bench/results/2026-12-04-rcvlowat, 2
-vCPUs, loopback, 16 x 2 MiB puts, paired rounds): batch put 2.74-2.79 GB/s against 2.47-2.59
-without, the client's CPU 325-332 ms/GB against 368-375, the daemon's reads per GB ~1,500
-against ~4,000; 256 KiB gave 2.68-2.74 GB/s, 1 MiB 2.51-2.62; set per fill instead of per
-body (three calls a frame), 2.76 against 2.78."""
+held in the socket count as late: a client that stops inside a body is cut up to a quarter of
+the grace sooner). TCP only: Linux's poll ignores it on Unix stream sockets. Measured (issue
+17, bench/results/2026-12-04-rcvlowat, 2 vCPUs, loopback, 16 x 2 MiB puts, paired rounds):
+batch put 2.74-2.79 GB/s against 2.47-2.59 without, the client's CPU 325-332 ms/GB against
+368-375, the daemon's reads per GB ~1,500 against ~4,000; 256 KiB gave 2.68-2.74 GB/s, 1 MiB
+2.51-2.62; set per fill instead of per body (three calls a frame), 2.76 against 2.78."""
 RECEIVE_READ_NBYTES = 256 << 10
 """Most bytes one read lands in a fill (the buffer ``get_buffer`` hands the kernel). Each
 read's bytes are hashed right after the kernel copied them, while they are still in the
