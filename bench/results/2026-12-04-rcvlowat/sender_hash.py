@@ -1,14 +1,19 @@
+"""A raw loopback sender of 2 MiB blocks in modes (nohash, whole, hdrN, joinN, chunkK), rounds alternating;
+the receiver (a child process) recv_into a ring of RBUF bytes with SO_RCVLOWAT 512 KiB, hashing each read,
+then SLOW extra xxh32 passes (a slower receiver). argv: MODES..."""
 import os, socket, sys, time, xxhash, numpy as np, statistics
 TOTAL = 256 << 20; BLK = 2 << 20
 srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1); port = srv.getsockname()[1]
 pid = os.fork()
 if pid == 0:
     c, _ = srv.accept(); c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 512 << 10)
-    buf = bytearray(BLK * 2); mv = memoryview(buf); n = 0
+    buf = bytearray(int(os.environ.get("RBUF", str(BLK*2)))); mv = memoryview(buf); n = 0
     while True:
-        k = c.recv_into(mv[: 1 << 20]); 
+        k = c.recv_into(mv[n : n + (1 << 20)]) if n + (1<<20) <= len(buf) else c.recv_into(mv[n:]); 
         if k == 0: os._exit(0)
-        xxhash.xxh3_64_intdigest(mv[:k])
+        xxhash.xxh3_64_intdigest(mv[n:n+k])
+        for _ in range(int(os.environ.get('SLOW', '0'))): xxhash.xxh32_intdigest(mv[n:n+k])
+        n = (n + k) % len(buf)
 s = socket.create_connection(("127.0.0.1", port))
 data = np.random.randint(0, 255, TOTAL, dtype=np.uint8); mv = memoryview(data)
 HDR = bytes(4096)
