@@ -226,10 +226,10 @@ are queued, its receive window is closing, or the peer ended). Without it the lo
 every ~250 KiB loopback delivered (~4,000 reads per GB of put), and each wake-up was paid by
 the client too: its kernel wakes the daemon as it sends. Set once per body when a fill first
 waits on the socket, lowered as the body's last bytes come (never waiting for bytes past
-its end), 1 again once the body is done with or a fill cancelled (aiohttp reads the next
-request); at most a quarter of what the body clock's grace allows at its minimum rate (bytes
-held in the socket count as late: a client that stops inside a body is cut up to a quarter of
-the grace sooner). TCP only: Linux's poll ignores it on Unix stream sockets. Measured (issue
+its end: 1 once its last byte is read, before aiohttp reads the next request) and 1 when a
+fill is cancelled; at most a quarter of what the body clock's grace allows at its minimum rate
+(bytes held in the socket count as late: a client that stops inside a body is cut up to a
+quarter of the grace sooner). TCP only (:data:`_LOWAT_FAMILIES`). Measured (issue
 17, bench/results/2026-12-04-rcvlowat, 2 vCPUs, loopback, 16 x 2 MiB puts, paired rounds):
 batch put 2.74-2.79 GB/s against 2.47-2.59 without, the client's CPU 325-332 ms/GB against
 368-375, the daemon's reads per GB ~1,500 against ~4,000; 256 KiB gave 2.68-2.74 GB/s, 1 MiB
@@ -244,7 +244,9 @@ so a wake-up for :data:`RECEIVE_LOWAT_NBYTES` takes several reads. Measured ther
 rounds of 16 x 2 MiB puts): reads of at most 256 KiB put 2.91-2.94 GB/s at 289-290 ms of
 daemon CPU per GB, against 2.80 / 313 with reads as large as the fill (up to a block); 128
 KiB 2.49, 512 KiB 2.80."""
-_TCP_FAMILIES = (socket.AF_INET, socket.AF_INET6)
+_LOWAT_FAMILIES = (socket.AF_INET, socket.AF_INET6) if hasattr(socket, "SO_RCVLOWAT") else ()
+"""Sockets whose ``SO_RCVLOWAT`` the receiver sets: TCP's (Linux's poll ignores it on Unix
+stream sockets); none where the platform has no such option."""
 _DISCARD_NBYTES = 64 << 10  # one read's buffer for what comes after the body
 _PREFIX_NBYTES = frame_nbytes(bytes(32), 0)  # a put frame up to its payload: 161 bytes
 
@@ -299,8 +301,7 @@ class BodyReceiver(asyncio.BufferedProtocol):
         self._discard: memoryview | None = None  # after the body: what comes is dropped
         self._handed_back = False  # the transport is aiohttp's again (keep-alive)
         sock = transport.get_extra_info("socket")
-        # TCP only: Linux honours SO_RCVLOWAT in poll for TCP, not for Unix stream sockets
-        self._sock = sock if hasattr(socket, "SO_RCVLOWAT") and getattr(sock, "family", None) in _TCP_FAMILIES else None
+        self._sock = sock if getattr(sock, "family", None) in _LOWAT_FAMILIES else None
         self._max_lowat = RECEIVE_LOWAT_NBYTES if clock is None else \
             max(1, min(RECEIVE_LOWAT_NBYTES, int(clock.rate * clock.grace_s / 4)))
         self._lowat = 1  # the socket's SO_RCVLOWAT now (1: the kernel's default)
@@ -387,7 +388,6 @@ class BodyReceiver(asyncio.BufferedProtocol):
         before the client reads it: a client that pipelined its next request). Else (an error
         before the body's end) the connection is reset."""
         self._target = self._digest = None
-        self._set_lowat(1)
         if not self._closed:
             self._closed = True
             self._watch.cancel()
@@ -445,8 +445,8 @@ class BodyReceiver(asyncio.BufferedProtocol):
             self._fail(ConnectionResetError("the client sent more than its Content-Length"))
             return
         self.remaining -= nbytes
-        if self.remaining < self._lowat:  # the body's end nears: never wait past it
-            self._set_lowat(self.remaining)
+        if self.remaining < self._lowat:  # the body's end nears: never wait past it; at its end
+            self._set_lowat(self.remaining)  # the mark is 1, as aiohttp's next request needs
         if self._spare is None:  # into the fill's view (get_buffer chose it)
             start = self._filled
             self._filled += nbytes
@@ -482,7 +482,6 @@ class BodyReceiver(asyncio.BufferedProtocol):
 
     # -- internals ------------------------------------------------------------------------
     def _fail(self, exc: BaseException) -> None:
-        self._set_lowat(1)
         if self._error is None:
             self._error = exc
         waiter, self._waiter = self._waiter, None
@@ -504,8 +503,8 @@ class BodyReceiver(asyncio.BufferedProtocol):
 
     def _set_lowat(self, nbytes: int) -> None:
         """The socket's ``SO_RCVLOWAT`` to ``nbytes`` (within 1 and the cap), one system call
-        only when it changes (:data:`RECEIVE_LOWAT_NBYTES`). A socket that refuses it (closed,
-        or a platform without it) is left alone from then on."""
+        only when it changes (:data:`RECEIVE_LOWAT_NBYTES`). A socket that refuses it (closed under
+        the call) is left alone from then on."""
         nbytes = max(1, min(nbytes, self._max_lowat))
         if nbytes == self._lowat or self._sock is None or self._lost or self.transport.is_closing():
             return  # (a closed transport's descriptor may already be another connection's)

@@ -2,16 +2,12 @@
 import os, sys, time, tempfile, statistics
 from pathlib import Path
 import torch
-sys.path.insert(0, "/work/main")
+sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import server as S
 from kvtier.tiers.host_memory import host_empty
+from put_ab import cpu_ns  # noqa: E402
 N, CALL = 128, 16
-def cpu_ns(pid):
-    t = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try: t += int(open(f"/proc/{pid}/task/{tid}/schedstat").read().split()[0])
-        except OSError: pass
-    return t
 rounds = int(sys.argv[1])
 torch.set_num_threads(1)
 work = Path(tempfile.mkdtemp(prefix="s35src-"))
