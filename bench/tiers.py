@@ -32,7 +32,7 @@ in the same run:
 - DISK open (``--open-bytes``, e.g. 8GiB; skipped by default): :mod:`bench.disk_open`.
 - DISK spill / DISK -> CPU promotion (store level): ``store`` into a full CPU slab whose LRU
   victims spill to DISK; ``load`` of blocks held only on DISK. Baselines: raw write / raw read.
-  The spill also runs beside its floor (:class:`StoreFloor`: the hash and the two copies a
+  The spill also runs beside its floor (:class:`StoreFloor`: the two copies and the hash a
   verified store into a full slab makes, in numpy, no kvtier), timed in the same rounds: a
   row for the floor against the raw write (what that work reaches on this machine: measured,
   not a proven bound) and one for kvtier against the floor.
@@ -361,29 +361,34 @@ def bench_disk_growth(b: Bench) -> Row:
 
 class StoreFloor:
     """The least work of a verified store into a full CPU slab, without kvtier: for each
-    block, the xxh3 of the victim in its slot (the checksum its DISK record carries:
-    ``kvtier.records``, docs/DESIGN: every DISK read is verified), one copy of the victim
-    into a ``MAP_SHARED`` mapping of a cached file (LMDB's copy into its map), then the new
-    block copied into the victim's slot: numpy and xxhash calls only, no index, no LRU, no
-    LMDB. The file is mapped as LMDB maps its data file (a sparse file, ``MADV_HUGEPAGE``:
-    :func:`kvtier.tiers.disk.advise_huge_pages`; without the advice, pages the kernel has
-    written back fault again on each 4 KiB write and the floor ran slower than kvtier). GB/s
-    are bytes of the blocks stored per second. Its ratio to a raw write is what this
-    implementation of the work reaches on the machine, not a proven bound (issue 17's goal is
-    0.7x): a raw write copies each byte once, a store into a full slab twice and hashes it.
+    block, one copy of the victim in its slot into a ``MAP_SHARED`` mapping of a cached file
+    (LMDB's copy into its map; the record's checksum needs no pass over the victim: its
+    payload digest was taken when it was copied in, ``kvtier.records`` version 3), then the new
+    block copied into the victim's slot, hashed on the way (xxh3 of each 512 KiB piece, then
+    the piece copied from cache: kvtier's ``copy_hashed``, the digest its spill will use):
+    numpy and xxhash calls only, no index, no LRU, no LMDB. The file is mapped as LMDB maps its
+    data file (a sparse file, ``MADV_HUGEPAGE``: :func:`kvtier.tiers.disk.advise_huge_pages`;
+    without the advice, pages the kernel has written back fault again on each 4 KiB write and
+    the floor ran slower than kvtier). GB/s are bytes of the blocks stored per second. Its
+    ratio to a raw write is what this implementation of the work reaches on the machine, not
+    a proven bound (issue 17's goal is 0.7x): a raw write copies each byte once, a store into
+    a full slab twice and hashes it once.
 
     ``threads``: the blocks split in that many contiguous parts, one per thread (numpy's
     copies and xxhash release the GIL). kvtier's DISK writes of blocks >= 640 KiB use two
     threads (the caller's and the tier's writer: ``kvtier.tiers.disk._WriteOverlap``), so
     the benches compare them with the two-thread floor."""
 
-    WHAT = "xxh3 + copy to a mapped file + copy in (numpy)"
-    WHAT_SPILL = "xxh3 + copy to a mapped file (numpy)"
+    WHAT = "copy to a mapped file + copy in, hashed (numpy)"
+    WHAT_SPILL = "copy to a mapped file (numpy)"
+    PIECE_NBYTES = 512 << 10
 
     def __init__(self, path: Path, src: torch.Tensor, copy_in: bool = True, threads: int = 2) -> None:
         """``src``: ``[n, ...]`` host blocks, the new ones; ``copy_in=False``: the spill alone
         (evicting a full slab: :data:`WHAT_SPILL`), the slab keeps its blocks."""
         from concurrent.futures import ThreadPoolExecutor
+
+        import xxhash
 
         from kvtier.tiers.host_memory import host_empty
 
@@ -392,11 +397,12 @@ class StoreFloor:
         self.src = src.view(torch.uint8).reshape(self.n, -1).numpy()
         self.slab = host_empty(nbytes).view(self.n, -1).numpy()  # as the CPU pool's slab
         self.slab[:] = self.src[::-1]  # victims (the first run's; later runs copy the same bytes again)
+        self.digests = [xxhash.xxh3_64_intdigest(block) for block in self.slab]  # each slot's, as kvtier keeps
+        self.spilled = [0] * self.n  # the digest each spilled copy's record carries
         self._file = MappedFile(path, nbytes)  # sparse and advised, as LMDB's data file
         self.out = self._file.array.reshape(self.n, -1)
         self.out[:] = 0xA5  # every page in the page cache, mapped and dirty once, untimed;
         # and not the victims' bytes, so that check() sees a spill that never copied
-        self.checksums = [0] * self.n
         self.threads = max(1, threads)
         cuts = [self.n * k // self.threads for k in range(self.threads + 1)]
         self._parts = list(zip(cuts, cuts[1:]))
@@ -417,22 +423,30 @@ class StoreFloor:
         import numpy as np
         import xxhash
 
+        piece = self.PIECE_NBYTES
         for i in range(lo, hi):
             victim = self.slab[i]
-            self.checksums[i] = xxhash.xxh3_64_intdigest(victim)  # the record header's checksum
             np.copyto(self.out[i], victim)  # the spill: LMDB's one copy into its map
-            if self.copy_in:
-                np.copyto(victim, self.src[i])  # the new block into the freed slot
+            self.spilled[i] = self.digests[i]  # its record's checksum: from the digest, no pass over the bytes
+            if self.copy_in:  # the new block into the freed slot, hashed on the way
+                src, digest = self.src[i], xxhash.xxh3_64()
+                for start in range(0, src.size, piece):
+                    digest.update(src[start : start + piece])
+                    np.copyto(victim[start : start + piece], src[start : start + piece])
+                self.digests[i] = digest.intdigest()
 
     def check(self) -> None:
-        """The last run's slab holds the new blocks (the victims without ``copy_in``) and each
-        block of the file hashes to what the run recorded for its victim (the file starts as
-        other bytes, so a spill that never copied fails here)."""
+        """The last run's slab holds the new blocks (the victims without ``copy_in``), each
+        hashing to the digest recorded for its slot, and each block of the file hashes to
+        the digest its victim had (the file starts as other bytes, so a spill that never
+        copied fails here)."""
         import xxhash
 
         assert (self.slab == (self.src if self.copy_in else self.src[::-1])).all(), "floor: the slab is not as run"
-        assert all(xxhash.xxh3_64_intdigest(self.out[i]) == self.checksums[i] for i in range(self.n)), \
-            "floor: a spilled copy differs from the bytes hashed"
+        assert all(xxhash.xxh3_64_intdigest(self.slab[i]) == self.digests[i] for i in range(self.n)), \
+            "floor: a slot's digest is not its bytes'"
+        assert all(xxhash.xxh3_64_intdigest(self.out[i]) == self.spilled[i] for i in range(self.n)), \
+            "floor: a spilled copy differs from the victim's digest"
 
     def close(self) -> None:
         """Unmap and delete the file; stop the threads."""

@@ -15,7 +15,7 @@ Rows (2 MiB blocks, ``--total-bytes`` moved per measurement, each beside a same-
   file written just before (cached pages overwritten in place; no fsync on either side: LMDB runs with
   ``sync=False``; :data:`bench.common.RAW_WRITE_NOTE`, the same as bench/tiers.py's).
   Each also beside its floor, timed in the same rounds (:class:`bench.tiers.StoreFloor`: the
-  xxh3 and the copies a verified spill or store makes, in numpy, no kvtier): the floor against
+  copies and the xxh3 a verified spill or store makes, in numpy, no kvtier): the floor against
   the raw write (what that work reaches on this machine: measured, not a proven bound), kvtier
   against the floor (a warning under the table when kvtier beats it).
 - Overlap: a random-weight model with SmolLM2-135M's exact architecture; a 2,048-token

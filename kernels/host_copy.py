@@ -100,6 +100,12 @@ def available() -> bool:
     return library() is not None
 
 
+def hashing_available() -> bool:
+    """Whether :func:`hash_copy_rows` and :func:`hash_copy_blocks` run here (the compiled
+    kernels load, with python-xxhash's exported xxh3 bound), compiling on the first call."""
+    return library() is not None and _hashing
+
+
 def _load() -> ctypes.CDLL | None:
     if os.environ.get(ENV, "").strip().lower() == "off":
         logger.info("kvtier: host copy kernels off (%s=off): numpy copies", ENV)

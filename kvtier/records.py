@@ -4,7 +4,7 @@ A record is a 128-byte header followed by the raw block bytes::
 
     magic "KVTB" | version u16 | dtype code u8 | ndim u8 | shape 8 x u32 | namespace 32 B |
     fingerprint 32 B | payload_nbytes u64 | seq u64 |
-    checksum u64 (xxh3-64 over the header before it + payload)
+    checksum u64 (xxh3-64 over the header before it + the payload's own xxh3-64, u64 LE)
 
 The DISK tier stores records as LMDB values, the daemon sends and receives them, Redis holds
 them as values. Every reader verifies magic, version, namespace, dtype, shape, size and the
@@ -15,8 +15,18 @@ fingerprint, and a record whose fingerprint differs is ``TOKEN_MISMATCH``: intac
 computed from other tokens, never served. ``seq`` is the writer's store sequence (DISK uses
 it to rebuild LRU order); other writers may leave it 0.
 
-Versions: version 2 added the fingerprint (version 1 was the 96-byte header without it). A
-record of another version is not corrupt: it is another release's, and is a miss
+The checksum hashes the payload's digest, not the payload after the header fields: a block's
+payload digest is computed once, where its bytes are already being read (copied into a pool
+slot by ``TieredStore.store``, received by the daemon), kept beside its slot
+(:meth:`kvtier.tiers.pool.BlockPool.payload_digest_at`), and every record later made of that
+slot (its DISK spill, each daemon get) hashes 128 bytes instead of the block again (issue 17:
+a store into a full CPU slab hashed every victim from DRAM while LMDB copied the one before;
+bench/results/2026-12-04-payload-digest). A digest kept for bytes that changed since makes a
+record that fails its checksum on read (``CORRUPT``, a miss), never one served wrong.
+
+Versions: version 2 added the fingerprint (version 1 was the 96-byte header without it);
+version 3 hashes the payload's digest into the checksum (version 2 hashed the header fields,
+then the payload, in one stream). A record of another version is not corrupt: it is another release's, and is a miss
 (``OTHER_VERSION``; :func:`record_version` tells it apart from garbage) that the tiers leave
 to age out rather than delete (a process of another release may share the DISK directory
 or the REMOTE tier).
@@ -37,13 +47,15 @@ from kvtier.kernels import host_copy
 from kvtier.types import DTYPE_NAMES, DTYPES_BY_NAME, NO_FINGERPRINT
 
 _MAGIC = b"KVTB"
-VERSION = 2
+VERSION = 3
 _HEADER = struct.Struct("<4sHBB8I32s32sQQ")  # everything but the trailing checksum
 _CHECKSUM = struct.Struct("<Q")
 _MAGIC_VERSION = struct.Struct("<4sH")
 HEADER_NBYTES = _HEADER.size + _CHECKSUM.size  # 128
 _DTYPE_CODES = {name: i + 1 for i, name in enumerate(sorted(DTYPE_NAMES.values()))}
 _DTYPE_BY_CODE = {code: name for name, code in _DTYPE_CODES.items()}
+_DIGEST = struct.Struct("<Q")  # a payload's xxh3-64, as the checksum hashes it
+_NO_PREFIX = np.empty(0, dtype=np.uint8)
 _CHUNK_NBYTES = 512 << 10  # encode_record's copy+hash granularity (into its own buffer, not a file mapping),
 # so the hash reads the destination from cache
 _READ_CHUNK_NBYTES = 4 << 20
@@ -87,6 +99,43 @@ def _pack_header(namespace: bytes, block: torch.Tensor, seq: int, fingerprint: b
     )
 
 
+def payload_digest(block: torch.Tensor) -> int:
+    """The xxh3-64 of ``block``'s bytes (a contiguous CPU tensor): what a record's checksum
+    hashes in place of the payload (:func:`record_checksum`)."""
+    assert block.is_contiguous() and block.device.type == "cpu", "block must be contiguous on CPU"
+    return xxhash.xxh3_64_intdigest(block.view(torch.uint8).numpy().reshape(-1)) if block.numel() else _EMPTY_DIGEST
+
+
+def record_checksum(header: bytes | memoryview | np.ndarray, digest: int) -> int:
+    """The checksum of a record whose header starts with ``header`` (at least the
+    ``_HEADER.size`` bytes before the checksum; more are ignored) and whose payload's
+    xxh3-64 is ``digest``."""
+    return xxhash.xxh3_64_intdigest(bytes(header[: _HEADER.size]) + _DIGEST.pack(digest))
+
+
+_EMPTY_DIGEST = xxhash.xxh3_64_intdigest(b"")
+
+
+class RecordDigest:
+    """A record's checksum computed as its payload arrives (:meth:`RecordHeader.digest`):
+    ``update`` with the payload's bytes in order; ``intdigest()`` is the record's checksum,
+    ``payload_intdigest()`` the payload's own xxh3-64 (kept beside a pool slot:
+    :meth:`kvtier.tiers.pool.BlockPool.set_payload_digest`)."""
+
+    __slots__ = ("_header", "_payload", "update")
+
+    def __init__(self, header: bytes | memoryview) -> None:
+        self._header = bytes(header[: _HEADER.size])
+        self._payload = xxhash.xxh3_64()
+        self.update = self._payload.update
+
+    def payload_intdigest(self) -> int:
+        return self._payload.intdigest()
+
+    def intdigest(self) -> int:
+        return xxhash.xxh3_64_intdigest(self._header + _DIGEST.pack(self._payload.intdigest()))
+
+
 def encode_record(namespace: bytes, block: torch.Tensor, seq: int, fingerprint: bytes = NO_FINGERPRINT) -> np.ndarray:
     """Header + checksum + payload in one new buffer: one copy of the block, hashed chunk by
     chunk from the buffer while it is hot. ``fingerprint``: the block's token fingerprint
@@ -95,7 +144,7 @@ def encode_record(namespace: bytes, block: torch.Tensor, seq: int, fingerprint: 
     payload_nbytes = block.numel() * block.element_size()
     record = np.empty(HEADER_NBYTES + payload_nbytes, dtype=np.uint8)
     record[: _HEADER.size] = np.frombuffer(header, dtype=np.uint8)
-    digest = xxhash.xxh3_64(header)
+    digest = xxhash.xxh3_64()
     if payload_nbytes:
         src = block.view(torch.uint8).numpy().reshape(-1)
         dst = record[HEADER_NBYTES:]
@@ -103,11 +152,14 @@ def encode_record(namespace: bytes, block: torch.Tensor, seq: int, fingerprint: 
             chunk = dst[start : start + _CHUNK_NBYTES]
             np.copyto(chunk, src[start : start + _CHUNK_NBYTES])
             digest.update(chunk)
-    record[_HEADER.size : HEADER_NBYTES] = np.frombuffer(_CHECKSUM.pack(digest.intdigest()), dtype=np.uint8)
+    checksum = record_checksum(header, digest.intdigest())
+    record[_HEADER.size : HEADER_NBYTES] = np.frombuffer(_CHECKSUM.pack(checksum), dtype=np.uint8)
     return record
 
 
-def encode_header(namespace: bytes, block: torch.Tensor, seq: int = 0, fingerprint: bytes = NO_FINGERPRINT) -> bytes:
+def encode_header(
+    namespace: bytes, block: torch.Tensor, seq: int = 0, fingerprint: bytes = NO_FINGERPRINT, digest: int | None = None,
+) -> bytes:
     """The 128-byte header (checksum included) of ``block``'s record, hashing the block in
     place: ``encode_header(ns, block, seq, fp) + block bytes == encode_record(ns, block, seq,
     fp)``, so a sender can write the header and then the block's own memory, with no record
@@ -119,12 +171,14 @@ def encode_header(namespace: bytes, block: torch.Tensor, seq: int = 0, fingerpri
             :data:`kvtier.types.DTYPE_NAMES`.
         seq: the writer's store sequence (0: none).
         fingerprint: the block's token fingerprint, 32 bytes.
+        digest: the block's :func:`payload_digest`, when known (a pool slot's
+            :meth:`~kvtier.tiers.pool.BlockPool.payload_digest_at`): the block is not read.
+            A digest of other bytes makes a record that reads back ``CORRUPT``.
     """
     header = _pack_header(namespace, block, seq, fingerprint)
-    digest = xxhash.xxh3_64(header)
-    if block.numel():
-        digest.update(block.view(torch.uint8).numpy().reshape(-1))
-    return header + _CHECKSUM.pack(digest.intdigest())
+    if digest is None:
+        digest = payload_digest(block)
+    return header + _CHECKSUM.pack(record_checksum(header, digest))
 
 
 # -- reading -----------------------------------------------------------------------------------
@@ -140,11 +194,11 @@ class RecordHeader(NamedTuple):
     seq: int
     checksum: int
 
-    def digest(self, header: bytes | memoryview) -> "xxhash.xxh3_64":
-        """A running xxh3-64 primed with ``header`` (this record's 128 header bytes): feed it
-        the payload in order with ``update``; the record is intact iff ``intdigest()`` then
-        equals ``checksum``."""
-        return xxhash.xxh3_64(header[: _HEADER.size])
+    def digest(self, header: bytes | memoryview) -> RecordDigest:
+        """The record's checksum to be computed (:class:`RecordDigest`, of ``header``: this
+        record's 128 header bytes): feed it the payload in order with ``update``; the record
+        is intact iff ``intdigest()`` then equals ``checksum``."""
+        return RecordDigest(header)
 
 
 def parse_header(header: bytes | memoryview, record_nbytes: int | None = None) -> RecordHeader | None:
@@ -218,11 +272,6 @@ def decode_into(value: memoryview, namespace: bytes, out: torch.Tensor, fingerpr
         ValueError: ``out`` reaches past its storage (nothing written).
     """
     return decode_into_view(value, namespace, out, fingerprint)
-
-
-def _hashed_header(value: memoryview) -> np.ndarray:
-    """The header bytes a record's checksum covers (all but the checksum itself), as uint8."""
-    return np.frombuffer(value, dtype=np.uint8, count=_HEADER.size)
 
 
 def check_record(record: RecordHeader, checksum: int, fingerprint: bytes | None) -> ReadStatus:
@@ -317,7 +366,8 @@ def decode_into_view(value: memoryview, namespace: bytes, out: torch.Tensor, fin
     if out.device.type == "cpu":
         _check_storage(out)
     plain = rows is not None  # plain host rows at out's address (_view_plan: no layout for a negated view)
-    checksum = host_copy.hash_copy_rows(out.data_ptr(), rows, src, _hashed_header(value)) if plain else None
+    digest = host_copy.hash_copy_rows(out.data_ptr(), rows, src, _NO_PREFIX) if plain else None
+    checksum = None if digest is None else record_checksum(value, digest)
     if checksum is None:  # without the kernels or python-xxhash's exported xxh3: hash, then copy from cache
         digest = record.digest(value)
         if plain and rows[0] == 1:  # contiguous: in pieces of _READ_CHUNK_NBYTES
@@ -450,12 +500,11 @@ def decode_into_places(
     digests = None
     if plan[2] and plan[3] is not None:
         _check_storage(places.first, max(places.positions[k] for k in pending) * places.step)  # resized since?
-        digests = host_copy.hash_copy_blocks(places.subset(pending).addresses(), plan[3], arrays, _HEADER.size,
-                                             HEADER_NBYTES)
+        digests = host_copy.hash_copy_blocks(places.subset(pending).addresses(), plan[3], arrays, 0, HEADER_NBYTES)
     if digests is None:  # no kernels, no bound xxh3, or an empty payload: one block at a time
         for k in pending:
             statuses[k] = decode_into_view(values[k], namespace, places[k], fingerprints[k])
         return statuses
-    for k, record, digest in zip(pending, records, digests.tolist()):
-        statuses[k] = check_record(record, digest, fingerprints[k])
+    for k, record, array, digest in zip(pending, records, arrays, digests.tolist()):
+        statuses[k] = check_record(record, record_checksum(array, digest), fingerprints[k])
     return statuses

@@ -185,13 +185,15 @@ def _load(entry: "Namespace", block_hashes: Sequence[BlockHash]) -> tuple["LoadR
     store = entry.store
     loaded = store.load(block_hashes, count=False)  # the client's /lookup counted these (M1)
     try:
-        top = store.top.tensor
+        pool = store.top
+        top = pool.tensor
         blocks = []
         for block_id, fingerprint in zip(loaded.block_ids, loaded.fingerprints):
             block = top[block_id]
             if block.device.type != "cpu":
                 block = block.cpu()
-            blocks.append((encode_header(entry.namespace, block, 0, fingerprint), block_bytes(block)))
+            digest = pool.payload_digest_at(block_id)  # known where the slot's writer hashed it: not read here
+            blocks.append((encode_header(entry.namespace, block, 0, fingerprint, digest), block_bytes(block)))
         return loaded, blocks
     except BaseException:
         loaded.lease.release()
@@ -486,6 +488,8 @@ class _Direct:
             _abandon(handle)
             raise
         ok = digest.intdigest() == checksum
+        if ok:  # a get or a spill of the slot makes its record without hashing it again
+            self.store.top.set_payload_digest(handle.block_ids[0], digest.payload_intdigest())
         if await self._locked(self._publish, handle, ok):
             self.parent = handle.block_hashes[0]
             self.done.append((index, handle.block_hashes[0]))

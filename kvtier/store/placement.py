@@ -268,7 +268,9 @@ class Placement:
             below_id = below.allocate(h, pool.fingerprint(h))
             if below_id is None:
                 break
-            below.tensor[below_id].copy_(pool.tensor[pool.block_id(h)])
+            block_id = pool.block_id(h)
+            below.tensor[below_id].copy_(pool.tensor[block_id])
+            below.set_payload_digest(below_id, pool.payload_digest_at(block_id))  # the same bytes
             copied.append(h)
         self._stats.spilled_blocks[below.medium] += len(copied)
         self.events.stored(below.medium, copied)
@@ -301,7 +303,7 @@ class Placement:
                 block_id = pool.block_id(h)
                 block = pool.tensor[block_id]
                 block = block if block.device.type == "cpu" else block.cpu()
-                puts.append((h, self.namespace, block, pool.fingerprint_at(block_id)))
+                puts.append((h, self.namespace, block, pool.fingerprint_at(block_id), pool.payload_digest_at(block_id)))
             try:
                 hook = None if after_put is None else (lambda i, puts=puts: after_put(puts[i][0]))
                 ok = self.disk.write_batch(puts, deletes=victims if start == 0 else (), after_put=hook)

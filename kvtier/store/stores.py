@@ -27,10 +27,11 @@ from kvtier.store.trace import StoreTrace
 from kvtier.store.writes import BackgroundWrites
 from kvtier.types import NO_FINGERPRINT, BlockHash, Fingerprint
 
-WriteFn = Callable[[list[int], list[int]], None]
+WriteFn = Callable[[list[int], list[int]], "list[int | None] | None"]
 """``write(indices, block_ids)``: copy request blocks ``indices`` into ``top.tensor[block_ids]``
 (possibly on the DISK tier's writer thread while the caller holds the store's lock: see
-:meth:`kvtier.store.TieredStore.store_with`)."""
+:meth:`kvtier.store.TieredStore.store_with`); may return the xxh3-64 of each block written
+(``None`` for one not hashed; :meth:`kvtier.tiers.pool.BlockPool.set_payload_digest`)."""
 
 
 class StorePath:
@@ -84,7 +85,7 @@ class StorePath:
             self._writes.reap()
             top = self._placement.top
             present = residency.lease([h for h in block_hashes if h in top])  # not evicted by make_room
-            refill, written_at = None, {}
+            refill, written_at, digests = None, {}, {}
             # measured with host-memory sources only: a write from a device, one block at a
             # time, would be a transfer per block
             if write is not None and not torch.cuda.is_initialized():
@@ -102,11 +103,12 @@ class StorePath:
                     if failed or j >= len(order):
                         return
                     try:
-                        write([order[j]], [slot])
+                        digest = write([order[j]], [slot])
                     except Exception as exc:  # under LMDB's transaction: left to the caller's own write
                         failed.append(exc)
                     else:
                         written_at[order[j]] = slot
+                        digests[order[j]] = digest[0] if digest else None
 
             self._placement.make_room(0, sum(1 for h in block_hashes if h not in top), refill)
             new_hashes: list[BlockHash] = []
@@ -125,13 +127,17 @@ class StorePath:
                     block_ids.append(block_id)
                     indices.append(i)
                 chain.append(h)
+            written = {i for i, b in zip(indices, block_ids) if written_at.get(i) == b}
+            for i, b in zip(indices, block_ids):  # allocate() forgot the digest of the bytes refill wrote
+                if i in written:
+                    top.set_payload_digest(b, digests[i])
             generation = residency.generation
             handle = StoreHandle(new_hashes, block_ids, indices, len(chain), residency.lease(chain), generation=generation)
             handle.abandon = weakref.finalize(
                 handle, residency.defer_or_run, partial(residency.free_pending, top, new_hashes, generation)
             )
             present.release()
-            return handle, {i for i, b in zip(indices, block_ids) if written_at.get(i) == b}
+            return handle, written
 
     def complete(self, handle: StoreHandle, success: bool = True) -> None:
         """Publish the written blocks (or free their slots when ``success`` is False)."""
@@ -200,7 +206,11 @@ class StorePath:
             try:
                 rest = [(start + i, b) for i, b in zip(handle.indices, handle.block_ids) if i not in written]
                 if rest:
-                    write([i for i, _ in rest], [b for _, b in rest])
+                    digests = write([i for i, _ in rest], [b for _, b in rest])
+                    if digests:  # the slots are this handle's until complete()
+                        top = self._placement.top
+                        for (_, b), digest in zip(rest, digests):
+                            top.set_payload_digest(b, digest)
                 ok = True
             finally:
                 self.complete(handle, success=ok)

@@ -249,10 +249,12 @@ class DiskTier:
         """Delete ``deletes`` and write ``puts`` in one LMDB write transaction.
 
         Args:
-            puts: ``(block_hash, namespace, block[, fingerprint])`` with ``block`` a contiguous
-                CPU tensor of one block (``[num_layers, 2, block_size, num_kv_heads,
-                head_dim]``) and ``fingerprint`` its token fingerprint (default
-                :data:`~kvtier.types.NO_FINGERPRINT`).
+            puts: ``(block_hash, namespace, block[, fingerprint[, digest]])`` with ``block`` a
+                contiguous CPU tensor of one block (``[num_layers, 2, block_size,
+                num_kv_heads, head_dim]``), ``fingerprint`` its token fingerprint (default
+                :data:`~kvtier.types.NO_FINGERPRINT`) and ``digest`` the xxh3-64 of its bytes
+                when known (a pool slot's :meth:`~kvtier.tiers.pool.BlockPool.payload_digest_at`;
+                default ``None``: the block is hashed here).
             deletes: hashes to drop.
             evicted: the deletes make room (remembered by the eviction policy).
             after_put: called with ``i`` as soon as ``puts[i]``'s record is in the
@@ -297,6 +299,7 @@ class DiskTier:
                         results.append(True)
                         continue
                     fingerprint = rest[0] if rest else NO_FINGERPRINT
+                    digest = rest[1] if len(rest) > 1 else None
                     size = self.footprint(sizes[i])
                     if h in self._foreign and h not in dropped:  # overwritten below
                         used -= self._foreign[h]
@@ -311,11 +314,11 @@ class DiskTier:
                         continue
                     self._seq += 1
                     if overlap is None:
-                        put_record(txn, h, namespace, block, self._seq, fingerprint)
+                        put_record(txn, h, namespace, block, self._seq, fingerprint, digest=digest)
                         if after_put is not None:
                             after_put(i)
                     else:
-                        overlap.put(txn, i, h, namespace, block, self._seq, fingerprint)
+                        overlap.put(txn, i, h, namespace, block, self._seq, fingerprint, digest)
                         if after_put is not None:
                             overlap.after_put(after_put, i)
                     used += size
@@ -695,6 +698,12 @@ class _WriteOverlap:
     blocks went from 0.57x to 0.69-0.71x of a raw write (issue 17,
     bench/results/2026-12-03-deferred-headers/). Headers are hashed with the sequence each put
     would get; one whose sequence changed (an earlier put refused for room) is hashed again.
+    A put that carries its block's digest (the slot's
+    :meth:`~kvtier.tiers.pool.BlockPool.payload_digest_at`: :mod:`kvtier.records`) is not
+    hashed at all: its header is made on the caller's thread from the digest, and the writer
+    thread is left the copy-ins (store() into a full slab of 128 x 2 MiB blocks copied in by
+    ``TieredStore.store``: 3.9-4.0 -> 4.5-4.8 GB/s, medians of paired rounds,
+    bench/results/2026-12-04-payload-digest/).
 
     A deferred header is written where the value lay after its own put: only for a value of at
     least ``min_deferred_nbytes`` (the page size; far above LMDB's overflow threshold of about
@@ -725,11 +734,16 @@ class _WriteOverlap:
 
     def put(
         self, txn, i: int, h: BlockHash, namespace: bytes, block: torch.Tensor, seq: int, fingerprint: bytes,
+        digest: int | None = None,
     ) -> None:
-        """Put ``puts[i]`` (``h``, ``namespace``, ``block``, ``fingerprint``: its fields) with
-        sequence ``seq``: :func:`put_record`'s bytes (the header maybe written later, by
-        :meth:`write_headers`), whose errors it raises."""
+        """Put ``puts[i]`` (``h``, ``namespace``, ``block``, ``fingerprint``, ``digest``: its
+        fields) with sequence ``seq``: :func:`put_record`'s bytes (the header maybe written
+        later, by :meth:`write_headers`), whose errors it raises. A put with its ``digest``
+        is not hashed: its header is made here (128 bytes hashed)."""
         self._hash_ahead(self._position[i] + 1)
+        if digest is not None:
+            put_record(txn, h, namespace, block, seq, fingerprint, digest=digest)
+            return
         future = self._hashes.pop(i, None)
         if future is not None and self._seqs[i] != seq:
             future.cancel()
@@ -817,6 +831,8 @@ class _WriteOverlap:
             i = self._order[self._submitted]
             self._submitted += 1
             _, namespace, block, *rest = self._puts[i]
+            if len(rest) > 1 and rest[1] is not None:  # its digest known: nothing to hash
+                continue
             if is_framed(block):
                 fingerprint = rest[0] if rest else NO_FINGERPRINT
                 future = self._submit(encode_header, namespace, block, self._seqs[i], fingerprint)
@@ -861,7 +877,7 @@ def _lock_directory(path: Path):
 
 def put_record(
     txn, key: bytes, namespace: bytes, block: torch.Tensor, seq: int, fingerprint: bytes,
-    header: Callable[[np.ndarray], bytes | None] | None = None,
+    header: Callable[[np.ndarray], bytes | None] | None = None, digest: int | None = None,
 ) -> None:
     """Write ``block``'s record (:func:`kvtier.records.encode_record`'s bytes exactly) under
     ``key`` in the LMDB write transaction ``txn`` (begun with ``buffers=True``), copying the
@@ -882,7 +898,9 @@ def put_record(
     bytes then the block's); returns :func:`~kvtier.records.encode_header`'s bytes for this
     block, to be written now, or ``None`` when the caller writes them itself with
     :func:`write_header` before the transaction commits (:class:`_WriteOverlap`: only for a
-    value on LMDB's overflow pages). Default: the block hashed here.
+    value on LMDB's overflow pages). Default: the header made here, from ``digest`` (the
+    block's :func:`~kvtier.records.payload_digest`, when the caller knows it) or by hashing
+    the block.
 
     Raises:
         lmdb.Error: the put failed (map full, ...): nothing of the record is visible.
@@ -891,7 +909,7 @@ def put_record(
     if framed is None:
         txn.put(key, encode_record(namespace, block, seq, fingerprint))
         return
-    put_framed(txn, key, framed, header or (lambda _: encode_header(namespace, block, seq, fingerprint)))
+    put_framed(txn, key, framed, header or (lambda _: encode_header(namespace, block, seq, fingerprint, digest)))
 
 
 def is_framed(block: torch.Tensor) -> bool:

@@ -5,7 +5,10 @@ The pool is allocated once at start-up (no per-block malloc on the hot path)::
     tensor: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], dtype of the model
 
 and slot ``block_id`` holds one block; beside it the pool keeps the block's token fingerprint
-(:mod:`kvtier.hashing`), which a load checks before the slot is served. On the CPU medium the tensor is pinned when CUDA is
+(:mod:`kvtier.hashing`), which a load checks before the slot is served, and the xxh3-64 of its
+bytes when whoever wrote them hashed them on the way (:meth:`BlockPool.payload_digest_at`:
+every record later made of the slot, a DISK spill or a daemon get, then hashes its header only,
+:mod:`kvtier.records`). On the CPU medium the tensor is pinned when CUDA is
 available, so copies to and from the GPU are asynchronous DMA. A CPU pool's tensor starts one
 page (:data:`FRAME_PAD_NBYTES`) into its allocation: every slot has memory before it, which
 lets the DISK tier hand LMDB a slot framed as a whole record and copy it once
@@ -74,6 +77,7 @@ class BlockPool:
         # Slot 0 is handed out first: pop() from the end of a reversed list.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._fingerprints: list[Fingerprint] = [NO_FINGERPRINT] * num_blocks  # per slot
+        self._digests: list[int | None] = [None] * num_blocks  # per slot: its bytes' xxh3-64, if known
         # block_hash -> block_id, in eviction order (kvtier.tiers.lru).
         self._lru: SegmentedLRU[BlockHash, int] = SegmentedLRU(max_ghosts=2 * num_blocks)
         self._held: set[int] = set()  # slots out of the index, not free: see clear(hold=...)
@@ -101,6 +105,19 @@ class BlockPool:
     def fingerprint_at(self, block_id: int) -> Fingerprint:
         """The token fingerprint kept with slot ``block_id``."""
         return self._fingerprints[block_id]
+
+    def payload_digest_at(self, block_id: int) -> int | None:
+        """The xxh3-64 of slot ``block_id``'s bytes (:func:`kvtier.records.payload_digest`)
+        as recorded by :meth:`set_payload_digest` since the slot was last allocated, else
+        ``None`` (unknown: hash the slot)."""
+        return self._digests[block_id]
+
+    def set_payload_digest(self, block_id: int, digest: int | None) -> None:
+        """Record the xxh3-64 of the bytes just written into slot ``block_id`` (a slot the
+        caller allocated and wrote, before it is published; ``None``: unknown). Forgotten
+        when the slot is allocated again, freed or cleared. A digest of other bytes than the
+        slot's makes the records made of it fail their checksum on read (``CORRUPT``)."""
+        self._digests[block_id] = digest
 
     @property
     def device(self) -> torch.device:
@@ -153,6 +170,7 @@ class BlockPool:
         block_id = self._free.pop()
         self._lru.add(block_hash, block_id)
         self._fingerprints[block_id] = fingerprint
+        self._digests[block_id] = None
         return block_id
 
     def free(self, block_hash: BlockHash, evicted: bool = False) -> int:
@@ -161,6 +179,7 @@ class BlockPool:
         block_id = self._lru.pop(block_hash, evicted=evicted)
         self._free.append(block_id)
         self._fingerprints[block_id] = NO_FINGERPRINT
+        self._digests[block_id] = None
         return block_id
 
     def clear(self, hold: Sequence[BlockHash] = ()) -> dict[BlockHash, int]:
@@ -174,12 +193,14 @@ class BlockPool:
         self._free = [i for i in range(self.num_blocks - 1, -1, -1) if i not in self._held]
         for i in self._free:
             self._fingerprints[i] = NO_FINGERPRINT
+            self._digests[i] = None
         return held
 
     def release_slot(self, block_id: int) -> None:
         """Free a slot that :meth:`clear` held."""
         self._held.remove(block_id)
         self._fingerprints[block_id] = NO_FINGERPRINT
+        self._digests[block_id] = None
         self._free.append(block_id)
 
     @property

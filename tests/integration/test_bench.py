@@ -70,7 +70,7 @@ def test_tiers_bench_writes_rows_with_same_run_baselines(tmp_path):
                    "DISK open"):
         assert any(m.startswith(prefix) for m in metrics), f"no {prefix} row in {metrics}"
     floor = [m for m in metrics if "floor" in m]
-    assert floor == ["  floor of that store: xxh3 + copy to a mapped file + copy in (numpy), 2 threads",
+    assert floor == ["  floor of that store: copy to a mapped file + copy in, hashed (numpy), 2 threads",
                      "  DISK spill: store() into full CPU slab, vs its floor"], floor
     by = {row["metric"]: row for row in data["rows"]}
     spill = by["DISK spill: store() into full CPU slab"]
@@ -103,9 +103,9 @@ def test_transfers_bench_writes_the_spill_rows_beside_their_floors(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = {row["metric"]: row for row in json.loads(out.read_text())["rows"]}
     assert list(rows)[1:] == [
-        "CPU -> DISK spill: evict a full CPU slab", "  floor of that spill: xxh3 + copy to a mapped file (numpy), 2 threads",
+        "CPU -> DISK spill: evict a full CPU slab", "  floor of that spill: copy to a mapped file (numpy), 2 threads",
         "  CPU -> DISK spill vs its floor", "store() into a full CPU slab (copy in + spill)",
-        "  floor of that store: xxh3 + copy to a mapped file + copy in (numpy), 2 threads", "  store() into a full CPU slab vs its floor",
+        "  floor of that store: copy to a mapped file + copy in, hashed (numpy), 2 threads", "  store() into a full CPU slab vs its floor",
     ], list(rows)
     for row in rows.values():
         assert set(row) == ROW_KEYS and row["unit"] == "GB/s" and row["value"] > 0 and row["baseline"] > 0

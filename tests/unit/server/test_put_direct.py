@@ -11,8 +11,9 @@ import asyncio
 import msgpack
 import pytest
 import torch
+import xxhash
 
-from kvtier.records import HEADER_NBYTES
+from kvtier.records import HEADER_NBYTES, ReadStatus
 from kvtier.server import frames as frames_module
 from kvtier.server.app import REGISTRY
 from kvtier.types import Medium
@@ -364,3 +365,32 @@ def test_prepare_store_without_waiting_gives_way_to_a_lock_holder(tmp_path):
     assert torch.equal(store.top.tensor[store.top.block_id(h[0])], torch.ones(SPEC.block_shape))
     store.check_invariants()
     store.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_put_keeps_each_slots_digest_and_a_get_hashes_no_block(make_api, monkeypatch, mode):
+    """The payload's digest, computed as the frame lands (direct) or as the staged block is
+    copied into its slot (staging: ``TieredStore.store``'s fused copy), is kept beside the
+    slot; a get then makes each record's header from it, and the client verifies the records."""
+    from kvtier import records
+    from kvtier.kernels import host_copy
+    from kvtier.records import decode_into
+
+    if mode != "direct" and not host_copy.hashing_available():
+        pytest.skip("no compiled host kernels with python-xxhash's xxh3: the staged copy hashes nothing")
+    client = await make_api(**MODES[mode])
+    await register(client)
+    hs, blocks = hashes(6), random_blocks(SPEC, 6, seed=21)
+    assert await put_blocks(client, hs, blocks) == [True] * 6
+    top = _store(client).top
+    for h in hs:
+        b = top.block_id(h)
+        assert top.payload_digest_at(b) == xxhash.xxh3_64_intdigest(payload(top.tensor[b]))
+    hashed = []
+    real = records.payload_digest
+    monkeypatch.setattr(records, "payload_digest", lambda block: hashed.append(1) or real(block))
+    got = await get_blocks(client, hs)
+    assert hashed == []
+    out = torch.empty(SPEC.block_shape, dtype=SPEC.dtype)
+    for (h, header, body), block in zip(got, blocks):
+        assert decode_into(memoryview(header + body), NAMESPACE, out) is ReadStatus.OK and torch.equal(out, block)

@@ -78,10 +78,28 @@ def legacy_record(namespace: bytes, block: torch.Tensor, seq: int = 1) -> bytes:
     return header + struct.pack("<Q", xxhash.xxh3_64(header + payload).intdigest()) + payload
 
 
-def test_another_versions_record_is_other_version_not_corrupt():
-    value = legacy_record(NS, random_blocks(SPEC, 1)[0])
-    assert record_version(value) == 1 and VERSION == 2 and HEADER_NBYTES == 128
+def version2_record(namespace: bytes, block: torch.Tensor, seq: int = 1, fingerprint: bytes = b"\0" * 32) -> bytes:
+    """A version-2 record (kvtier before the payload digest: the same 128-byte header, its
+    checksum the xxh3-64 of the header fields followed by the payload)."""
+    import xxhash
+
+    shape = list(block.shape) + [0] * (8 - block.dim())
+    header = struct.pack("<4sHBB8I32s32sQQ", b"KVTB", 2, 3, block.dim(), *shape, namespace, fingerprint,
+                         block.numel() * block.element_size(), seq)
+    payload = block.contiguous().view(torch.uint8).numpy().tobytes()
+    return header + struct.pack("<Q", xxhash.xxh3_64(header + payload).intdigest()) + payload
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_another_versions_record_is_other_version_not_corrupt(version):
+    block = random_blocks(SPEC, 1)[0]
+    value = legacy_record(NS, block) if version == 1 else version2_record(NS, block)
+    assert record_version(value) == version and VERSION == 3 and HEADER_NBYTES == 128
     assert decode_into(memoryview(value), NS, torch.empty(SPEC.block_shape)) is ReadStatus.OTHER_VERSION
+    if version == 2:  # the same bytes under this version's number: its checksum is not this version's
+        current = bytearray(value)
+        current[4:6] = struct.pack("<H", VERSION)
+        assert decode_into(memoryview(current), NS, torch.empty(SPEC.block_shape)) is ReadStatus.CORRUPT
     assert decode_into(memoryview(b"garbage" * 30), NS, torch.empty(SPEC.block_shape)) is ReadStatus.CORRUPT
 
 
