@@ -73,6 +73,7 @@ _library: ctypes.CDLL | None = None
 _loaded = False
 _hashing = False  # the kvt_hash_copy_* functions have python-xxhash's xxh3 (_bind_xxh3)
 _I64 = ctypes.c_int64
+_NO_PREFIX = np.empty(0, dtype=np.uint8)  # hash_copy_rows' default: the payload alone
 _PTR = ctypes.c_void_p
 
 
@@ -425,7 +426,8 @@ def _check_chunk() -> None:
         raise ValueError(f"expected HASH_CHUNK_NBYTES to be an int > 0, got {HASH_CHUNK_NBYTES!r}")
 
 
-def hash_copy_rows(dst_address: int, layout: tuple[int, int, int], src: np.ndarray, prefix: np.ndarray) -> int | None:
+def hash_copy_rows(dst_address: int, layout: tuple[int, int, int], src: np.ndarray,
+                   prefix: np.ndarray = _NO_PREFIX) -> int | None:
     """:func:`copy_rows` that also returns the xxh3-64 of ``prefix`` followed by ``src``
     (``xxhash.xxh3_64(prefix + src).intdigest()``), in one pass over ``src`` and without the
     GIL: a DISK record verified and delivered (:func:`kvtier.records.decode_into_view`). Every

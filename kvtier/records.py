@@ -55,7 +55,6 @@ HEADER_NBYTES = _HEADER.size + _CHECKSUM.size  # 128
 _DTYPE_CODES = {name: i + 1 for i, name in enumerate(sorted(DTYPE_NAMES.values()))}
 _DTYPE_BY_CODE = {code: name for name, code in _DTYPE_CODES.items()}
 _DIGEST = struct.Struct("<Q")  # a payload's xxh3-64, as the checksum hashes it
-_NO_PREFIX = np.empty(0, dtype=np.uint8)
 _CHUNK_NBYTES = 512 << 10  # encode_record's copy+hash granularity (into its own buffer, not a file mapping),
 # so the hash reads the destination from cache
 _READ_CHUNK_NBYTES = 4 << 20
@@ -133,7 +132,7 @@ class RecordDigest:
         return self._payload.intdigest()
 
     def intdigest(self) -> int:
-        return xxhash.xxh3_64_intdigest(self._header + _DIGEST.pack(self._payload.intdigest()))
+        return record_checksum(self._header, self._payload.intdigest())
 
 
 def encode_record(namespace: bytes, block: torch.Tensor, seq: int, fingerprint: bytes = NO_FINGERPRINT) -> np.ndarray:
@@ -366,7 +365,7 @@ def decode_into_view(value: memoryview, namespace: bytes, out: torch.Tensor, fin
     if out.device.type == "cpu":
         _check_storage(out)
     plain = rows is not None  # plain host rows at out's address (_view_plan: no layout for a negated view)
-    digest = host_copy.hash_copy_rows(out.data_ptr(), rows, src, _NO_PREFIX) if plain else None
+    digest = host_copy.hash_copy_rows(out.data_ptr(), rows, src) if plain else None
     checksum = None if digest is None else record_checksum(value, digest)
     if checksum is None:  # without the kernels or python-xxhash's exported xxh3: hash, then copy from cache
         digest = record.digest(value)

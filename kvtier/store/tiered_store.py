@@ -536,8 +536,6 @@ def _check_hashes(block_hashes: Sequence[BlockHash]) -> None:
 
 
 
-_NO_PREFIX = np.empty(0, dtype=np.uint8)
-
 
 def host_blocks(blocks: torch.Tensor, top: torch.Tensor) -> np.ndarray | None:
     """``blocks`` (``[n, *block_shape]``) as ``[n, block_nbytes]`` uint8 rows for
@@ -570,7 +568,7 @@ def copy_hashed(top: torch.Tensor, block_ids: list[int], source: np.ndarray, ind
     digests: list[int | None] = []
     for b, i in zip(block_ids, indices):
         row, slot = source[i], top[b]
-        digest = host_copy.hash_copy_rows(slot.data_ptr(), (1, row.size, row.size), row, _NO_PREFIX)
+        digest = host_copy.hash_copy_rows(slot.data_ptr(), (1, row.size, row.size), row)
         if digest is None:
             np.copyto(slot.view(torch.uint8).numpy().reshape(-1), row)
         digests.append(digest)
